@@ -1,0 +1,48 @@
+"""kernelexec: run AI-agent tools and code in persistent Jupyter kernels.
+
+The async core is :class:`AsyncKernelExecutor` / :class:`AsyncSession`; :class:`KernelExecutor` /
+:class:`Session` are their blocking twins. Tools are :class:`Tool` values; runs return
+:class:`Execution` and :class:`ToolResult`. Every exception derives from
+:class:`KernelExecError`.
+"""
+
+from kernelexec._config import ExecutorConfig
+from kernelexec._exceptions import (
+    ConfigError,
+    ExecutionError,
+    ExecutionTimeout,
+    ExecutorClosedError,
+    KernelExecError,
+    KernelStartError,
+    PoolExhaustedError,
+    ToolDefinitionError,
+)
+from kernelexec._executor import AsyncKernelExecutor
+from kernelexec._models import DEFAULT_ENV_ALLOWLIST, ExecError, Execution, ToolResult
+from kernelexec._session import AsyncSession
+from kernelexec._sync import KernelExecutor, Session
+from kernelexec._tools import Tool
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DEFAULT_ENV_ALLOWLIST",
+    "AsyncKernelExecutor",
+    "AsyncSession",
+    "ConfigError",
+    "ExecError",
+    "Execution",
+    "ExecutionError",
+    "ExecutionTimeout",
+    "ExecutorClosedError",
+    "ExecutorConfig",
+    "KernelExecError",
+    "KernelExecutor",
+    "KernelStartError",
+    "PoolExhaustedError",
+    "Session",
+    "Tool",
+    "ToolDefinitionError",
+    "ToolResult",
+    "__version__",
+]

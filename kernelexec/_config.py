@@ -1,0 +1,64 @@
+"""Executor configuration, validated once at construction."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from kernelexec._exceptions import ConfigError
+from kernelexec._models import DEFAULT_ENV_ALLOWLIST
+
+
+class ExecutorConfig(BaseModel):
+    """Settings of an :class:`~kernelexec.AsyncKernelExecutor`; unknown fields are rejected.
+
+    Attributes:
+        env_vars: Variables every kernel gets, on top of the allowlisted host variables.
+        env_allowlist: Host environment variables passed through to kernels (when set).
+        default_timeout: Seconds a run may take when the call gives no ``timeout``.
+        interrupt_grace: Seconds to wait after interrupting a timed-out run before the kernel
+            is killed and restarted (state lost).
+        output_grace: Seconds to wait for the end of a run's output after its reply arrived.
+        start_timeout: Seconds a kernel may take to start and answer.
+        max_kernels: Most kernels alive at once (sessions plus prewarmed).
+        prewarm: Kernels kept started but unassigned, so a new session starts without delay.
+        idle_timeout: Seconds after which an idle session's kernel is shut down (None: never).
+        max_output_chars: Characters of stdout+stderr kept per run; the rest is dropped with a
+            marker.
+        max_result_chars: Largest tool return value, in characters of JSON.
+        workdir: Directory under which each session gets its working directory (default: a
+            private temporary directory removed on close).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    env_vars: dict[str, str] = Field(default_factory=dict)
+    env_allowlist: tuple[str, ...] = DEFAULT_ENV_ALLOWLIST
+    default_timeout: float = Field(60.0, gt=0)
+    interrupt_grace: float = Field(2.0, ge=0)
+    output_grace: float = Field(5.0, ge=0)
+    start_timeout: float = Field(30.0, gt=0)
+    max_kernels: int = Field(16, ge=1)
+    prewarm: int = Field(0, ge=0)
+    idle_timeout: float | None = Field(None, gt=0)
+    max_output_chars: int = Field(1_000_000, ge=100)
+    max_result_chars: int = Field(10_000_000, ge=100)
+    workdir: Path | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ExecutorConfig:
+        if self.prewarm > self.max_kernels:
+            raise ValueError(f"prewarm ({self.prewarm}) exceeds max_kernels ({self.max_kernels})")
+        return self
+
+
+def make_config(**kwargs: object) -> ExecutorConfig:
+    """Build a config, turning pydantic's error into a :class:`ConfigError` naming the field."""
+    try:
+        return ExecutorConfig(**kwargs)  # type: ignore[arg-type]
+    except ValidationError as exc:
+        problems = "; ".join(
+            f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors()
+        )
+        raise ConfigError(f"invalid executor configuration: {problems}") from None

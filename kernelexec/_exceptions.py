@@ -1,0 +1,63 @@
+"""The kernelexec exception tree.
+
+Errors in user code are data on the result (``Execution.error``), not exceptions. Exceptions
+mean misuse of the API or a broken environment::
+
+    KernelExecError
+    ├── ConfigError (ValueError)              bad executor or tool configuration
+    │   └── ToolDefinitionError               a Tool could not be built from what was given
+    ├── ExecutorClosedError (RuntimeError)    use after close
+    ├── PoolExhaustedError (RuntimeError)     every kernel busy and max_kernels reached
+    ├── KernelStartError (RuntimeError)       a kernel did not start or become ready
+    └── ExecutionError                        raised on demand by Execution.raise_for_error()
+        └── ExecutionTimeout (TimeoutError)   ... when the run timed out
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from kernelexec._models import Execution
+
+
+class KernelExecError(Exception):
+    """Base class of every exception kernelexec raises."""
+
+
+class ConfigError(KernelExecError, ValueError):
+    """A configuration value was rejected; the message names the field."""
+
+
+class ToolDefinitionError(ConfigError):
+    """A :class:`~kernelexec.Tool` could not be built (no function, unparsable source, ...)."""
+
+
+class ExecutorClosedError(KernelExecError, RuntimeError):
+    """The executor or session was used after it was closed."""
+
+
+class PoolExhaustedError(KernelExecError, RuntimeError):
+    """A kernel was needed but every kernel is busy and ``max_kernels`` is reached."""
+
+
+class KernelStartError(KernelExecError, RuntimeError):
+    """A kernel failed to start or did not become ready in time."""
+
+
+class ExecutionError(KernelExecError):
+    """A run ended with ``status="error"``; raised only by ``Execution.raise_for_error()``.
+
+    Attributes:
+        execution: The failed :class:`~kernelexec.Execution` (or ``ToolResult``).
+    """
+
+    def __init__(self, execution: Execution) -> None:
+        err = execution.error
+        text = f"{err.kind}: {err.ename}: {err.evalue}" if err else "execution failed"
+        super().__init__(text)
+        self.execution = execution
+
+
+class ExecutionTimeout(ExecutionError, TimeoutError):
+    """The run was stopped because it exceeded its timeout."""

@@ -1,0 +1,333 @@
+"""The helper that kernelexec installs inside every kernel.
+
+This module is never imported by the host. Its source text is sent to a freshly started kernel
+(in the metadata of one execute request, so it works for any backend and any interpreter that has
+ipykernel) and executed there as the module ``__kernelexec__``. It uses the standard library only.
+
+What it does inside the kernel:
+
+* caps the bytes a single execution may write to stdout/stderr (the kernel otherwise ships a
+  200 MB print as one message);
+* runs tool calls whose arguments arrive as JSON in the request's metadata, never as code;
+* converts return values to JSON (see :func:`to_jsonable` for the rules) and hands them back
+  through ``user_expressions`` in the execute reply, a channel the tool's own prints and displays
+  cannot write to;
+* reports the names of user variables after each run, so the host can say what a restart lost.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import datetime
+import decimal
+import enum
+import importlib
+import inspect
+import json
+import linecache
+import math
+import os
+import pathlib
+import sys
+import threading
+import uuid
+from typing import Any
+
+RESULT_MIME = "application/vnd.kernelexec.result+json"
+_HIDDEN = {"In", "Out", "exit", "quit", "get_ipython", "open"}
+
+
+class KernelexecInvalidTool(Exception):
+    """The tool's source did not compile, failed at definition, or lacks the function."""
+
+
+class KernelexecInvalidArgs(Exception):
+    """The arguments could not be bound to the tool's signature."""
+
+
+class KernelexecResultTooLarge(Exception):
+    """The tool's return value is larger than the configured limit once encoded as JSON."""
+
+
+class _Budget:
+    """A per-execution byte budget shared by stdout and stderr."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.used = 0
+        self.dropped = 0
+        self.lock = threading.Lock()
+
+    def reset(self) -> None:
+        with self.lock:
+            self.used = 0
+            self.dropped = 0
+
+
+_state: dict[str, Any] = {"result": None, "defined": {}, "budget": None}
+
+
+def _ip() -> Any:
+    from IPython import get_ipython
+
+    return get_ipython()
+
+
+def _payload() -> dict[str, Any]:
+    parent = _ip().kernel.get_parent()
+    return dict(parent.get("metadata", {}).get("kernelexec", {}))
+
+
+def _cap_stream(stream: Any, budget: _Budget) -> None:
+    original = stream.write
+
+    def write(text: str) -> int:
+        # Also called from ipykernel's fd-capture thread, hence the lock.
+        with budget.lock:
+            room = budget.limit - budget.used
+            if room <= 0:
+                budget.dropped += len(text)
+                return len(text)
+            keep = text[:room]
+            budget.used += len(keep)
+            over = len(text) - len(keep)
+            budget.dropped += over
+        original(keep)
+        if over:
+            original(f"\n[kernelexec: output truncated at {budget.limit} characters]\n")
+        return len(text)
+
+    stream.write = write
+
+
+def install() -> None:
+    """Set up the kernel for kernelexec; called once after the kernel starts."""
+    cfg = _payload()
+    budget = _Budget(int(cfg.get("max_output_chars", 1_000_000)))
+    _state["budget"] = budget
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "session"):  # an ipykernel OutStream
+            _cap_stream(stream, budget)
+    _ip().events.register("pre_execute", budget.reset)
+
+
+def configure() -> None:
+    """Apply per-session settings (working directory) sent in the request metadata."""
+    cfg = _payload()
+    if cfg.get("cwd"):
+        os.chdir(cfg["cwd"])
+
+
+def user_names() -> list[str]:
+    """Names the user (or a tool) defined in the interactive namespace."""
+    ip = _ip()
+    hidden = ip.user_ns_hidden
+    return sorted(
+        name
+        for name in ip.user_ns
+        if not name.startswith("_") and name not in hidden and name not in _HIDDEN
+    )
+
+
+class _Report:
+    """What the host reads back from ``user_expressions`` after every run."""
+
+    def __repr__(self) -> str:
+        return "<kernelexec report>"
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        result, _state["result"] = _state["result"], None
+        report = {"names": user_names(), "result": result}
+        return {RESULT_MIME: json.dumps(report, ensure_ascii=False, allow_nan=False)}
+
+
+def report() -> _Report:
+    return _Report()
+
+
+def _define(name: str, source: str, digest: str) -> None:
+    filename = f"<kernelexec tool {name}>"
+    try:
+        code = compile(source, filename, "exec")
+    except SyntaxError as exc:
+        raise KernelexecInvalidTool(f"{type(exc).__name__}: {exc}") from None
+    linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
+    try:
+        exec(code, _ip().user_ns)
+    except Exception as exc:
+        raise KernelexecInvalidTool(
+            f"defining tool {name!r} raised {type(exc).__name__}: {exc}"
+        ) from exc
+    _state["defined"][name] = digest
+
+
+def _load_agent_state(spec: dict[str, Any]) -> Any:
+    data = spec["data"]
+    cls_path = spec.get("class")
+    if cls_path:
+        module_name, _, qualname = cls_path.partition(":")
+        try:
+            obj: Any = importlib.import_module(module_name)
+            for part in qualname.split("."):
+                obj = getattr(obj, part)
+            return obj.model_validate(data)
+        except Exception:
+            pass  # the class is not importable here: the tool gets attribute-style data
+    return _wrap(data)
+
+
+class AttrDict(dict):  # type: ignore[type-arg]
+    """A dict whose keys can also be read and written as attributes."""
+
+    def __getattr__(self, key: str) -> Any:
+        try:
+            return self[key]
+        except KeyError:
+            raise AttributeError(key) from None
+
+    def __setattr__(self, key: str, value: Any) -> None:
+        self[key] = value
+
+
+def _wrap(value: Any) -> Any:
+    if isinstance(value, dict):
+        return AttrDict({k: _wrap(v) for k, v in value.items()})
+    if isinstance(value, list):
+        return [_wrap(v) for v in value]
+    return value
+
+
+def call() -> None:
+    """Run the tool call described in the request metadata; the result waits for ``report``."""
+    _state["result"] = None
+    spec = _payload()
+    name = spec["name"]
+    ns = _ip().user_ns
+    if "source" in spec:
+        _define(name, spec["source"], spec["digest"])
+    fn = ns.get(name)
+    if not callable(fn):
+        raise KernelexecInvalidTool(f"the tool source defines no function named {name!r}")
+    args = json.loads(spec["args"])
+    has_state = "agent_state" in spec
+    if has_state:
+        args["agent_state"] = _load_agent_state(spec["agent_state"])
+    try:
+        inspect.signature(fn).bind(**args)
+    except TypeError as exc:
+        raise KernelexecInvalidArgs(f"{name}(): {exc}") from None
+    except ValueError:
+        pass  # builtins without a signature: let the call itself complain
+
+    env = spec.get("env") or {}
+    saved = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        value = fn(**args)
+    finally:
+        for key, old in saved.items():
+            if old is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = old
+
+    result: dict[str, Any] = {"return": to_jsonable(value)}
+    if has_state:
+        result["agent_state"] = to_jsonable(args["agent_state"])
+    limit = int(spec.get("max_result_chars", 10_000_000))
+    size = len(json.dumps(result, ensure_ascii=False, allow_nan=False))
+    if size > limit:
+        raise KernelexecResultTooLarge(
+            f"the return value is {size} characters as JSON; the limit is {limit}"
+        )
+    _state["result"] = result
+
+
+def _float(value: float) -> Any:
+    if math.isfinite(value):
+        return value
+    return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+
+
+def to_jsonable(value: Any, _seen: set[int] | None = None) -> Any:
+    """Convert a value to JSON data, never failing.
+
+    Rules: JSON types pass through (non-finite floats become ``"NaN"``/``"Infinity"``/
+    ``"-Infinity"``); tuples, sets and other iterables of known size become lists (sets sorted
+    when their items can be ordered); mapping keys become strings; datetime, date and time become
+    ISO 8601 text; timedelta becomes seconds; Decimal, UUID and paths become text; bytes become
+    text when they are UTF-8, else base64; enums become their value; pydantic models their
+    ``model_dump(mode="json")``; dataclasses their fields; objects with ``tolist`` or ``to_dict``
+    (NumPy, pandas) what those return; anything else its ``repr``. A container that contains
+    itself yields ``"<circular reference>"`` at the point of recursion.
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, float):
+        return _float(value)
+    seen = _seen if _seen is not None else set()
+    if id(value) in seen:
+        return "<circular reference>"
+    if isinstance(value, enum.Enum):
+        return to_jsonable(value.value, seen)
+    if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
+        return value.isoformat()
+    if isinstance(value, datetime.timedelta):
+        return value.total_seconds()
+    if isinstance(value, (decimal.Decimal, uuid.UUID, pathlib.PurePath)):
+        return str(value)
+    if isinstance(value, (bytes, bytearray, memoryview)):
+        raw = bytes(value)
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            return base64.b64encode(raw).decode("ascii")
+    seen.add(id(value))
+    try:
+        if isinstance(value, dict):
+            return {_key(k): to_jsonable(v, seen) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [to_jsonable(v, seen) for v in value]
+        if isinstance(value, (set, frozenset)):
+            items = list(value)
+            try:
+                items.sort()
+            except TypeError:
+                pass
+            return [to_jsonable(v, seen) for v in items]
+        dump = getattr(value, "model_dump", None)
+        if callable(dump) and not isinstance(value, type):
+            try:
+                return to_jsonable(dump(mode="json"), seen)
+            except Exception:
+                pass
+        if dataclasses.is_dataclass(value) and not isinstance(value, type):
+            return {
+                f.name: to_jsonable(getattr(value, f.name), seen) for f in dataclasses.fields(value)
+            }
+        for method in ("tolist", "to_dict"):
+            fn = getattr(value, method, None)
+            if callable(fn) and not isinstance(value, type):
+                try:
+                    return to_jsonable(fn(), seen)
+                except Exception:
+                    pass
+        return _safe_repr(value)
+    finally:
+        seen.discard(id(value))
+
+
+def _key(key: Any) -> str:
+    if isinstance(key, str):
+        return key
+    if key is None or isinstance(key, (bool, int, float)):
+        return json.dumps(key)
+    return _safe_repr(key)
+
+
+def _safe_repr(value: Any) -> str:
+    try:
+        return repr(value)
+    except Exception as exc:
+        return f"<unrepresentable {type(value).__name__}: {type(exc).__name__}>"

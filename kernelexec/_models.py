@@ -1,0 +1,118 @@
+"""Values that cross kernelexec's API: results of runs and the executor's configuration.
+
+Result models are shaped after nbformat (``outputs`` are nbformat v4 output dicts) so that
+recording a run as a notebook cell is a mapping, not a translation.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kernelexec._exceptions import ExecutionError, ExecutionTimeout
+
+ErrorKind = Literal[
+    "exception", "timeout", "kernel_died", "invalid_args", "invalid_tool", "env_setup_failed"
+]
+
+DEFAULT_ENV_ALLOWLIST: tuple[str, ...] = (
+    "PATH",
+    "LANG",
+    "LANGUAGE",
+    "LC_ALL",
+    "LC_CTYPE",
+    "LC_MESSAGES",
+    "TZ",
+    "TERM",
+    "USER",
+    "LOGNAME",
+    "HOME",
+    "TMPDIR",
+    "SYSTEMROOT",
+)
+"""Host environment variables a kernel inherits (when set); everything else is dropped."""
+
+
+class ExecError(BaseModel):
+    """Why a run failed.
+
+    Attributes:
+        kind: ``exception`` (the code raised), ``timeout``, ``kernel_died``, ``invalid_args``
+            (arguments did not match the tool's schema; the tool did not run), ``invalid_tool``
+            (the tool's source did not compile or lacks the function) or ``env_setup_failed``.
+        ename: Exception class name (e.g. ``"ValueError"``).
+        evalue: Exception message.
+        traceback: Traceback lines as the kernel sent them (may contain ANSI colour codes).
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    kind: ErrorKind
+    ename: str
+    evalue: str
+    traceback: list[str] = Field(default_factory=list)
+
+
+class Execution(BaseModel):
+    """The outcome of running code in a kernel.
+
+    Attributes:
+        status: ``"success"`` or ``"error"``.
+        stdout: Everything written to stdout, possibly truncated with a marker.
+        stderr: Everything written to stderr, possibly truncated with a marker.
+        outputs: nbformat v4 output dicts (streams, display data, results, errors) in order.
+        result: ``text/plain`` of the execute_result, if the code produced one.
+        error: Why the run failed, when ``status == "error"``.
+        execution_count: The kernel's execution counter for this run.
+        duration_s: Wall-clock seconds from sending the request to having the whole result.
+        kernel_restarted: True when this run cost the session its kernel state.
+        lost_variables: When state was lost, the user variable names that existed before.
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    status: Literal["success", "error"]
+    stdout: str = ""
+    stderr: str = ""
+    outputs: list[dict[str, Any]] = Field(default_factory=list)
+    result: str | None = None
+    error: ExecError | None = None
+    execution_count: int | None = None
+    duration_s: float = 0.0
+    kernel_restarted: bool = False
+    lost_variables: list[str] = Field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when the run succeeded."""
+        return self.status == "success"
+
+    def raise_for_error(self) -> None:
+        """Raise :class:`~kernelexec.ExecutionError` (or ``ExecutionTimeout``) if the run failed."""
+        if self.status == "success":
+            return
+        if self.error is not None and self.error.kind == "timeout":
+            raise ExecutionTimeout(self)
+        raise ExecutionError(self)
+
+    def _repr_markdown_(self) -> str:
+        if self.error is not None:
+            return f"**{self.error.kind}** `{self.error.ename}: {self.error.evalue}`"
+        return f"`{self.result}`" if self.result is not None else f"```\n{self.stdout}\n```"
+
+
+class ToolResult(Execution):
+    """The outcome of a tool call (field names follow Letta's sandbox result).
+
+    Attributes:
+        func_return: The tool's return value as JSON data (see the conversion rules in the
+            README); ``None`` when the call failed.
+        agent_state: The agent state after the call, when the tool takes ``agent_state``; a
+            pydantic model passed in comes back as the same class.
+        sandbox_config_fingerprint: Identifies the environment the tool ran in.
+    """
+
+    func_return: Any = None
+    agent_state: Any = None
+    sandbox_config_fingerprint: str | None = None

@@ -1,0 +1,393 @@
+"""``AsyncSession``: one agent's persistent kernel, its calls serialised in submission order."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from pydantic import BaseModel
+
+from kernelexec._exceptions import ExecutorClosedError
+from kernelexec._models import ExecError, Execution, ToolResult
+from kernelexec._run import Callbacks, OutputCallback, RunOutcome, run_request
+from kernelexec._tools import Tool
+from kernelexec.backends._base import ExecuteRequest, KernelConnection
+
+if TYPE_CHECKING:
+    from kernelexec._pool import KernelPool
+
+RESULT_MIME = "application/vnd.kernelexec.result+json"
+_MODULE = "__import__('__kernelexec__')"
+_REPORT = {"kx": f"{_MODULE}.report()"}
+_KIND_BY_ENAME = {
+    "KernelexecInvalidTool": "invalid_tool",
+    "KernelexecInvalidArgs": "invalid_args",
+}
+
+
+def _describe_exit(code: int | None) -> str:
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class AsyncSession:
+    """A stateful sandbox for one agent: a kernel kept across calls.
+
+    Get one from :meth:`AsyncKernelExecutor.session`; the same agent id always gives the same
+    session. Calls are run one at a time in the order they were made; different sessions run in
+    parallel. The kernel is started on first use (or taken from the prewarmed pool), replaced
+    when it dies or has to be killed, and may be shut down when idle (its state is then lost and
+    the next result says so).
+    """
+
+    def __init__(
+        self,
+        agent_id: str,
+        pool: KernelPool,
+        workdir: Path,
+        *,
+        fingerprint: str,
+        default_timeout: float,
+        interrupt_grace: float,
+        output_grace: float,
+        max_output_chars: int,
+        max_result_chars: int,
+    ) -> None:
+        self.agent_id = agent_id
+        self.workdir = workdir
+        self.fingerprint = fingerprint
+        self._pool = pool
+        self._timeout = default_timeout
+        self._grace = interrupt_grace
+        self._output_grace = output_grace
+        self._max_output = max_output_chars
+        self._max_result = max_result_chars
+        self._lock = asyncio.Lock()
+        self._conn: KernelConnection | None = None
+        self._defined: dict[str, str] = {}
+        self._names: list[str] = []
+        self._lost: list[str] | None = None  # state lost outside a run, not yet reported
+        self._closed = False
+        self.last_used = time.monotonic()
+
+    # -- public API -------------------------------------------------------------------------
+
+    @property
+    def busy(self) -> bool:
+        """True while a call runs or waits to run."""
+        return self._lock.locked()
+
+    @property
+    def has_kernel(self) -> bool:
+        """Whether a kernel is currently attached (it may be shut down when idle)."""
+        return self._conn is not None
+
+    async def run_code(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_display: OutputCallback | None = None,
+    ) -> Execution:
+        """Run code in the session's kernel, like a notebook cell.
+
+        Args:
+            code: Python source (IPython syntax allowed).
+            timeout: Seconds before the run is interrupted (default: the executor's).
+            on_stdout: Called with each piece of stdout text as it arrives.
+            on_stderr: Called with each piece of stderr text as it arrives.
+            on_display: Called with each display_data output dict as it arrives.
+        """
+        if not isinstance(code, str):
+            raise TypeError(f"code must be str, not {type(code).__name__}")
+        request = ExecuteRequest(code=code, user_expressions=_REPORT)
+        callbacks = Callbacks(on_stdout, on_stderr, on_display)
+        async with self._lock:
+            execution, _ = await self._run(request, timeout, callbacks)
+        return execution
+
+    async def call_tool(
+        self,
+        tool: Tool,
+        args: dict[str, Any] | None = None,
+        *,
+        agent_state: Any = None,
+        env_vars: dict[str, str] | None = None,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_display: OutputCallback | None = None,
+    ) -> ToolResult:
+        """Call a tool with JSON arguments; they are validated first and sent as data.
+
+        Args:
+            tool: The tool to call; its source is sent to the kernel once (again if it changes).
+            args: Arguments by name, validated against the tool's schema.
+            agent_state: Injected as the ``agent_state`` parameter when the tool has one; the
+                changed state comes back in ``ToolResult.agent_state``.
+            env_vars: Environment variables set only for the duration of this call.
+            timeout: Seconds before the call is interrupted (default: the executor's).
+            on_stdout: Called with each piece of stdout text as it arrives.
+            on_stderr: Called with each piece of stderr text as it arrives.
+            on_display: Called with each display_data output dict as it arrives.
+        """
+        if not isinstance(tool, Tool):
+            raise TypeError(f"tool must be a kernelexec.Tool, not {type(tool).__name__}")
+        args = {} if args is None else args
+        problems = tool.validate_args(args)
+        if env_vars is not None and not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()
+        ):
+            problems.append("env_vars must map str to str")
+        if problems:
+            self._check_open()
+            return self._invalid_args(problems, agent_state)
+        spec: dict[str, Any] = {
+            "name": tool.name,
+            "digest": tool.digest,
+            "args": json.dumps(args, ensure_ascii=False),
+            "env": dict(env_vars or {}),
+            "max_result_chars": self._max_result,
+        }
+        if tool.takes_agent_state:
+            spec["agent_state"] = _dump_state(agent_state)
+        callbacks = Callbacks(on_stdout, on_stderr, on_display)
+        async with self._lock:
+            if self._defined.get(tool.name) != tool.digest:
+                spec["source"] = tool.source_code
+            request = ExecuteRequest(
+                code=f"{_MODULE}.call()",
+                user_expressions=_REPORT,
+                metadata={"kernelexec": spec},
+            )
+            execution, result = await self._run(request, timeout, callbacks)
+            if execution.ok or (execution.error and execution.error.kind == "exception"):
+                self._defined[tool.name] = tool.digest
+        fields = execution.model_dump()
+        fields["sandbox_config_fingerprint"] = self.fingerprint
+        fields["agent_state"] = agent_state
+        if result is not None:
+            fields["func_return"] = result.get("return")
+            if "agent_state" in result:
+                fields["agent_state"] = _load_state(agent_state, result["agent_state"])
+        return ToolResult(**fields)
+
+    async def interrupt(self) -> None:
+        """Interrupt whatever the kernel is running now (the running call gets the error)."""
+        self._check_open()
+        if self._conn is not None:
+            await self._conn.interrupt()
+
+    async def restart(self) -> None:
+        """Replace the kernel with a fresh one now; all state is lost."""
+        async with self._lock:
+            self._check_open()
+            if self._conn is not None:
+                self._lost = (self._lost or []) + self._names
+                await self._replace_kernel()
+
+    async def aclose(self) -> None:
+        """Shut the session's kernel down; later calls raise ``ExecutorClosedError``."""
+        self._closed = True
+        conn, self._conn = self._conn, None
+        if conn is not None:
+            await self._pool.discard(conn)
+
+    # -- used by the pool -------------------------------------------------------------------
+
+    async def evict(self) -> None:
+        """Give the kernel back (idle culling or LRU eviction); the next call starts fresh."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        self._lost = (self._lost or []) + self._names
+        self._names = []
+        self._defined.clear()
+        await self._pool.discard(conn)
+
+    # -- internals ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ExecutorClosedError(f"session {self.agent_id!r} is closed")
+
+    def _invalid_args(self, problems: list[str], agent_state: Any) -> ToolResult:
+        error = ExecError(kind="invalid_args", ename="InvalidArguments", evalue="; ".join(problems))
+        return ToolResult(
+            status="error",
+            error=error,
+            agent_state=agent_state,
+            sandbox_config_fingerprint=self.fingerprint,
+        )
+
+    async def _attach(self) -> tuple[KernelConnection, list[str] | None]:
+        """The kernel to run on, and the variables lost since the last run (if any)."""
+        lost, self._lost = self._lost, None
+        conn = self._conn
+        if conn is not None and not await conn.is_alive():
+            lost = (lost or []) + self._names
+            await self._pool.discard(conn)
+            conn = self._conn = None
+        if conn is None:
+            conn = await self._pool.acquire()
+            self._conn = conn
+            self._names = []
+            self._defined.clear()
+            await self._configure(conn)
+        return conn, lost
+
+    async def _configure(self, conn: KernelConnection) -> None:
+        request = ExecuteRequest(
+            code=f"{_MODULE}.configure()",
+            silent=True,
+            store_history=False,
+            metadata={"kernelexec": {"cwd": str(self.workdir)}},
+        )
+        await run_request(
+            conn,
+            request,
+            timeout=30.0,
+            interrupt_grace=1.0,
+            output_grace=1.0,
+            max_output_chars=10_000,
+        )
+
+    async def _replace_kernel(self) -> None:
+        old, self._conn = self._conn, None
+        self._names = []
+        self._defined.clear()
+        if old is not None:
+            self._conn = await self._pool.replace(old)
+            await self._configure(self._conn)
+
+    async def _run(
+        self, request: ExecuteRequest, timeout: float | None, callbacks: Callbacks
+    ) -> tuple[Execution, dict[str, Any] | None]:
+        self._check_open()
+        start = time.monotonic()
+        timeout = self._timeout if timeout is None else timeout
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        try:
+            conn, lost = await self._attach()
+            out = await run_request(
+                conn,
+                request,
+                timeout=timeout,
+                interrupt_grace=self._grace,
+                output_grace=self._output_grace,
+                max_output_chars=self._max_output,
+                callbacks=callbacks,
+            )
+            execution, result = await self._finish(out, conn, timeout, lost)
+        finally:
+            self.last_used = time.monotonic()
+        execution.duration_s = time.monotonic() - start
+        return execution, result
+
+    async def _finish(
+        self, out: RunOutcome, conn: KernelConnection, timeout: float, lost: list[str] | None
+    ) -> tuple[Execution, dict[str, Any] | None]:
+        error: ExecError | None = None
+        restarted = lost is not None
+        lost_names = list(lost or [])
+        result: dict[str, Any] | None = None
+        reply = out.reply or {}
+        asked_exit = any(p.get("source") == "ask_exit" for p in reply.get("payload") or [])
+
+        if out.died or out.stuck or asked_exit:
+            if out.died:
+                why = f"the kernel died ({_describe_exit(conn.exit_code)})"
+                error = ExecError(kind="kernel_died", ename="KernelDied", evalue=why)
+            elif out.stuck:
+                why = (
+                    f"timed out after {timeout:g} s and did not stop when interrupted; "
+                    "the kernel was restarted and its state lost"
+                )
+                error = ExecError(kind="timeout", ename="TimeoutError", evalue=why)
+            else:
+                why = "the code asked the kernel to exit; a fresh kernel replaces it"
+                error = ExecError(kind="kernel_died", ename="KernelExited", evalue=why)
+            restarted = True
+            lost_names += self._names
+            await self._replace_kernel()
+        else:
+            report = _read_report(reply)
+            if report is not None:
+                self._names = list(report.get("names") or [])
+                result = report.get("result")
+            if out.timed_out:
+                error = ExecError(
+                    kind="timeout",
+                    ename="TimeoutError",
+                    evalue=f"timed out after {timeout:g} s; interrupted, kernel state kept",
+                    traceback=list((out.error or {}).get("traceback") or []),
+                )
+            elif reply.get("status") != "ok" or out.error is not None:
+                content = out.error or reply
+                ename = str(content.get("ename", "Error"))
+                error = ExecError(
+                    kind=_KIND_BY_ENAME.get(ename, "exception"),  # type: ignore[arg-type]
+                    ename=ename,
+                    evalue=str(content.get("evalue", "")),
+                    traceback=[str(t) for t in content.get("traceback") or []],
+                )
+        execution = Execution(
+            status="error" if error else "success",
+            stdout=out.stdout,
+            stderr=out.stderr,
+            outputs=out.outputs,
+            result=out.result,
+            error=error,
+            execution_count=out.execution_count,
+            kernel_restarted=restarted,
+            lost_variables=sorted(set(lost_names)),
+        )
+        return execution, result
+
+
+def _read_report(reply: dict[str, Any]) -> dict[str, Any] | None:
+    entry = (reply.get("user_expressions") or {}).get("kx") or {}
+    text = (entry.get("data") or {}).get(RESULT_MIME)
+    if not isinstance(text, str):
+        return None
+    try:
+        report = json.loads(text)
+    except ValueError:
+        return None
+    return report if isinstance(report, dict) else None
+
+
+def _dump_state(state: Any) -> dict[str, Any]:
+    if isinstance(state, BaseModel):
+        cls = type(state)
+        return {
+            "data": state.model_dump(mode="json"),
+            "class": f"{cls.__module__}:{cls.__qualname__}",
+        }
+    return {"data": json.loads(json.dumps(state, default=str))}
+
+
+def _load_state(original: Any, data: Any) -> Any:
+    if isinstance(original, BaseModel):
+        try:
+            return type(original).model_validate(data)
+        except Exception:
+            return data
+    return data
+
+
+AsyncCallback = Callable[..., Awaitable[None]]

@@ -1,0 +1,146 @@
+"""The blocking facade: ``KernelExecutor`` and ``Session`` over the async core.
+
+One background thread runs an event loop (an anyio ``BlockingPortal``) owned by the
+``KernelExecutor``; every blocking method is one call into it. All kernel lifecycle work
+therefore happens on that single long-lived thread, and the facade also works where a loop is
+already running in the calling thread (inside Jupyter).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Coroutine
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
+
+from anyio.from_thread import BlockingPortal, start_blocking_portal
+
+from kernelexec._exceptions import ExecutorClosedError
+from kernelexec._executor import DEFAULT_AGENT, AsyncKernelExecutor
+from kernelexec._models import Execution, ToolResult
+from kernelexec._session import AsyncSession
+from kernelexec._tools import Tool
+
+T = TypeVar("T")
+
+
+class _Portal:
+    """A started blocking portal and how to stop it."""
+
+    def __init__(self) -> None:
+        self._cm: AbstractContextManager[BlockingPortal] = start_blocking_portal("asyncio")
+        self.portal: BlockingPortal | None = self._cm.__enter__()
+
+    def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
+        if self.portal is None:
+            raise ExecutorClosedError("the executor is closed")
+        return self.portal.call(lambda: fn(*args, **kwargs))
+
+    def stop(self) -> None:
+        if self.portal is not None:
+            self.portal = None
+            self._cm.__exit__(None, None, None)
+
+
+def _shutdown(portal: _Portal, executor: AsyncKernelExecutor) -> None:
+    try:
+        portal.call(executor.aclose)
+    finally:
+        portal.stop()
+
+
+class Session:
+    """Blocking twin of :class:`~kernelexec.AsyncSession`; get it from ``KernelExecutor.session``."""
+
+    def __init__(self, inner: AsyncSession, portal: _Portal) -> None:
+        self._inner = inner
+        self._portal = portal
+
+    @property
+    def agent_id(self) -> str:
+        """The agent this session belongs to."""
+        return self._inner.agent_id
+
+    @property
+    def workdir(self) -> Any:
+        """The session's working directory (a ``pathlib.Path``)."""
+        return self._inner.workdir
+
+    def run_code(self, code: str, **kwargs: Any) -> Execution:
+        """Run code in the session's kernel; see :meth:`AsyncSession.run_code`."""
+        return self._portal.call(self._inner.run_code, code, **kwargs)
+
+    def call_tool(
+        self, tool: Tool, args: dict[str, Any] | None = None, **kwargs: Any
+    ) -> ToolResult:
+        """Call a tool; see :meth:`AsyncSession.call_tool`."""
+        return self._portal.call(self._inner.call_tool, tool, args, **kwargs)
+
+    def interrupt(self) -> None:
+        """Interrupt the running code; see :meth:`AsyncSession.interrupt`."""
+        self._portal.call(self._inner.interrupt)
+
+    def restart(self) -> None:
+        """Replace the kernel with a fresh one; see :meth:`AsyncSession.restart`."""
+        self._portal.call(self._inner.restart)
+
+    def close(self) -> None:
+        """Shut the session's kernel down."""
+        self._portal.call(self._inner.aclose)
+
+
+class KernelExecutor:
+    """Blocking twin of :class:`~kernelexec.AsyncKernelExecutor` (same arguments, same methods).
+
+    Use it as a context manager, or call :meth:`close`; kernels are also shut down when the
+    object is garbage-collected or the interpreter exits.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        self._async = AsyncKernelExecutor(**kwargs)
+        self._portal = _Portal()
+        self._sessions: dict[str, Session] = {}
+        self._finalizer = weakref.finalize(self, _shutdown, self._portal, self._async)
+
+    @property
+    def config(self) -> Any:
+        """The validated :class:`~kernelexec.ExecutorConfig`."""
+        return self._async.config
+
+    @property
+    def kernel_count(self) -> int:
+        """Kernels alive or starting, prewarmed ones included."""
+        return self._async.kernel_count
+
+    def __enter__(self) -> KernelExecutor:
+        self._portal.call(self._async.start)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def warm_up(self) -> None:
+        """Wait until the ``prewarm`` kernels are started and ready."""
+        self._portal.call(self._async.warm_up)
+
+    def session(self, agent_id: str = DEFAULT_AGENT) -> Session:
+        """The session of ``agent_id`` (the same object for the same id)."""
+        inner = self._portal.call(self._async.session, agent_id)
+        wrapper = self._sessions.get(agent_id)
+        if wrapper is None or wrapper._inner is not inner:
+            wrapper = self._sessions[agent_id] = Session(inner, self._portal)
+        return wrapper
+
+    def call_tool(
+        self, tool: Tool, args: dict[str, Any] | None = None, **kwargs: Any
+    ) -> ToolResult:
+        """Call a tool; see :meth:`AsyncKernelExecutor.call_tool`."""
+        return self._portal.call(self._async.call_tool, tool, args, **kwargs)
+
+    def run_code(self, code: str, **kwargs: Any) -> Execution:
+        """Run code; see :meth:`AsyncKernelExecutor.run_code`."""
+        return self._portal.call(self._async.run_code, code, **kwargs)
+
+    def close(self) -> None:
+        """Shut down every kernel, remove temporary files and stop the loop thread."""
+        self._finalizer()

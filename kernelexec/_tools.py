@@ -1,0 +1,175 @@
+"""The :class:`Tool` model: a function's source, its JSON schema, and argument validation."""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import inspect
+import textwrap
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jsonschema
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+
+from kernelexec._exceptions import ToolDefinitionError
+from kernelexec._schema import function_schema
+
+
+class Tool(BaseModel):
+    """A function an agent can call, shipped to the kernel as source code.
+
+    Attributes:
+        name: The function's name; the source must define it at top level.
+        source_code: Python source defining the function (it may define helpers too).
+        json_schema: The OpenAI/Letta function schema ``{"name", "description", "parameters"}``.
+        args_json_schema: When given, arguments are validated against this schema instead of
+            ``json_schema["parameters"]`` (Letta's pydantic-style args schema).
+        pip_requirements: Requirement lines the tool needs in its environment.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    source_code: str
+    json_schema: dict[str, Any]
+    args_json_schema: dict[str, Any] | None = None
+    pip_requirements: list[str] = Field(default_factory=list)
+
+    _validator: Any = PrivateAttr(default=None)
+
+    @field_validator("name")
+    @classmethod
+    def _name_is_identifier(cls, value: str) -> str:
+        if not value.isidentifier():
+            raise ValueError(f"tool name {value!r} is not a Python identifier")
+        return value
+
+    @classmethod
+    def from_function(cls, fn: Callable[..., Any], **kwargs: Any) -> Tool:
+        """Build a tool from a function defined in a source file.
+
+        The function must be self-contained (imports inside it, or in ``pip_requirements``):
+        only its own source is sent to the kernel. Decorators are dropped.
+
+        Raises:
+            ToolDefinitionError: the function's source cannot be found or parsed.
+        """
+        try:
+            source = textwrap.dedent(inspect.getsource(fn))
+        except (OSError, TypeError) as exc:
+            raise ToolDefinitionError(f"cannot read the source of {fn!r}: {exc}") from None
+        node = _parse_functions(source).get(fn.__name__)
+        if node is None:
+            raise ToolDefinitionError(f"no function named {fn.__name__!r} in its source")
+        lines = source.splitlines(keepends=True)
+        source = "".join(lines[node.lineno - 1 :])  # from the `def` line: decorators dropped
+        return cls.from_source(source, name=fn.__name__, **kwargs)
+
+    @classmethod
+    def from_source(cls, source: str, name: str | None = None, **kwargs: Any) -> Tool:
+        """Build a tool from source text, deriving its schema without running it.
+
+        Args:
+            source: Python source defining the function.
+            name: The function to expose; ``None`` picks the one public top-level function.
+            **kwargs: Other :class:`Tool` fields (``pip_requirements``, ``args_json_schema``).
+
+        Raises:
+            ToolDefinitionError: the source does not parse, or the function is missing or
+                ambiguous.
+        """
+        functions = _parse_functions(source)
+        if name is None:
+            public = [n for n in functions if not n.startswith("_")]
+            if len(public) != 1:
+                found = ", ".join(public) or "none"
+                raise ToolDefinitionError(
+                    f"expected exactly one public top-level function, found {found}; pass name="
+                )
+            name = public[0]
+        node = functions.get(name)
+        if node is None:
+            raise ToolDefinitionError(f"the source defines no top-level function {name!r}")
+        if isinstance(node, ast.AsyncFunctionDef):
+            raise ToolDefinitionError(f"tool {name!r} is async; tools must be plain functions")
+        schema, notes = function_schema(node)
+        for note in notes:
+            warnings.warn(note, stacklevel=2)
+        return cls(name=name, source_code=source, json_schema=schema, **kwargs)
+
+    @property
+    def description(self) -> str:
+        """The tool's description from its schema."""
+        return str(self.json_schema.get("description", ""))
+
+    @property
+    def digest(self) -> str:
+        """A hash of the source; the kernel redefines the tool when it changes."""
+        return hashlib.sha256(self.source_code.encode()).hexdigest()[:16]
+
+    @property
+    def takes_agent_state(self) -> bool:
+        """Whether the function has an ``agent_state`` parameter (injected, not in the schema)."""
+        try:
+            node = _parse_functions(self.source_code).get(self.name)
+        except ToolDefinitionError:
+            return False
+        if node is None:
+            return False
+        a = node.args
+        return any(p.arg == "agent_state" for p in [*a.posonlyargs, *a.args, *a.kwonlyargs])
+
+    @property
+    def parameters_schema(self) -> dict[str, Any]:
+        """The schema arguments are validated against."""
+        if self.args_json_schema is not None:
+            return self.args_json_schema
+        params = self.json_schema.get("parameters")
+        return params if isinstance(params, dict) else {"type": "object"}
+
+    def validate_args(self, args: Any) -> list[str]:
+        """Check arguments against the schema; return problems, each naming the argument."""
+        if not isinstance(args, dict):
+            return [f"arguments must be a JSON object, got {type(args).__name__}"]
+        schema = self.parameters_schema
+        if self._validator is None:
+            try:
+                cls = jsonschema.validators.validator_for(schema)
+                cls.check_schema(schema)
+            except jsonschema.SchemaError as exc:
+                return [f"the tool's argument schema is invalid: {exc.message}"]
+            object.__setattr__(self, "_validator", cls(schema))
+        problems = []
+        props = schema.get("properties") or {}
+        if schema.get("additionalProperties") is None:
+            # Letta-style schemas omit additionalProperties; a name the function does not
+            # take would fail inside the kernel anyway, so say so before anything runs.
+            problems += [f"unexpected argument {k!r}" for k in args if k not in props]
+        for error in sorted(self._validator.iter_errors(args), key=lambda e: list(e.path)):
+            problems.append(_describe(error))
+        return problems
+
+
+def _describe(error: jsonschema.ValidationError) -> str:
+    where = ".".join(str(p) for p in error.absolute_path)
+    if error.validator == "required":
+        missing = error.message.split("'")[1] if "'" in error.message else error.message
+        return f"missing required argument {missing!r}"
+    if error.validator == "additionalProperties" and not where:
+        extra = sorted(set(error.instance) - set(error.schema.get("properties", {})))
+        return "unexpected argument " + ", ".join(repr(e) for e in extra)
+    return f"argument {where!r}: {error.message}" if where else error.message
+
+
+def _parse_functions(source: str) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError as exc:
+        raise ToolDefinitionError(f"tool source does not parse: {exc}") from None
+    return {
+        node.name: node
+        for node in tree.body
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
+    }

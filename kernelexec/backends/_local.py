@@ -1,0 +1,269 @@
+"""The local backend: an ipykernel process on this machine, driven by jupyter-client.
+
+Each kernel gets a fresh private directory holding its connection file, its ipc sockets and its
+stderr log, so no TCP port is opened and nothing is re-read from a directory the kernel can
+write. Shutting the kernel down removes the directory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from collections import deque
+from typing import IO, Any
+
+import zmq
+import zmq.asyncio
+from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
+from jupyter_client.manager import AsyncKernelManager
+
+from kernelexec._exceptions import KernelStartError
+from kernelexec.backends._base import ExecuteRequest, KernelBackend, KernelConnection, KernelMessage
+
+# Flags that trim start-up: no history database (nothing written under ~/.ipython), and the
+# 0.5 ms sleep ipykernel inserts before every reply turned off.
+_KERNEL_FLAGS = (
+    "--HistoryManager.enabled=False",
+    "--IPythonKernel._execute_sleep=0",
+    "--Application.log_level=WARN",
+)
+
+
+class _FixedSpecs(KernelSpecManager):
+    """Hands jupyter-client our in-memory kernelspec instead of searching the disk."""
+
+    def __init__(self, spec: KernelSpec) -> None:
+        super().__init__()
+        self._spec = spec
+
+    def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
+        return self._spec
+
+
+class LocalBackend(KernelBackend):
+    """Starts ipykernel processes on this machine.
+
+    Args:
+        python: The interpreter that runs the kernel; it must have ipykernel installed.
+            Defaults to the interpreter running kernelexec.
+        extra_args: Extra command-line arguments for ``ipykernel_launcher``.
+    """
+
+    def __init__(self, python: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+        self.python = python or sys.executable
+        self.extra_args = tuple(extra_args)
+
+    def describe(self) -> str:
+        return f"local:{self.python}"
+
+    async def start(self, *, env: dict[str, str], timeout: float) -> KernelConnection:
+        conn = LocalConnection(self.python, self.extra_args, env)
+        try:
+            await conn.launch(timeout)
+        except BaseException:
+            await asyncio.shield(conn.shutdown())
+            raise
+        return conn
+
+
+class LocalConnection(KernelConnection):
+    """A kernel process on this machine with its zmq channels."""
+
+    def __init__(self, python: str, extra_args: tuple[str, ...], env: dict[str, str]) -> None:
+        self._python = python
+        self._extra_args = extra_args
+        self._env = dict(env)
+        self._dir = ""
+        self._km: AsyncKernelManager | None = None
+        self._shell: zmq.asyncio.Socket | None = None
+        self._iopub: zmq.asyncio.Socket | None = None
+        self._poller = zmq.asyncio.Poller()
+        self._pending: deque[KernelMessage] = deque()
+        self._stderr: IO[bytes] | None = None
+        self._exit_code: int | None = None
+        self._kc: Any = None
+        self._start_timeout = 30.0
+
+    @property
+    def kernel_id(self) -> str:
+        return os.path.basename(self._dir) if self._dir else "(not started)"
+
+    @property
+    def pid(self) -> int | None:
+        """The kernel's process id while it runs."""
+        km = self._km
+        proc = getattr(getattr(km, "provisioner", None), "process", None)
+        return getattr(proc, "pid", None)
+
+    async def launch(self, timeout: float) -> None:
+        """Start the process in a fresh private directory and wait until it answers."""
+        self._start_timeout = timeout
+        # Short paths: ipc socket names must fit in sun_path (108 bytes).
+        self._dir = tempfile.mkdtemp(prefix="kx-")
+        spec = KernelSpec(
+            argv=[
+                self._python,
+                "-m",
+                "ipykernel_launcher",
+                "-f",
+                "{connection_file}",
+                *_KERNEL_FLAGS,
+                *self._extra_args,
+            ],
+            display_name="kernelexec",
+            language="python",
+            interrupt_mode="signal",
+            metadata={},
+            env={},
+        )
+        km = AsyncKernelManager(
+            kernel_spec_manager=_FixedSpecs(spec),
+            kernel_name="kernelexec",
+            transport="ipc",
+            ip=os.path.join(self._dir, "s"),
+            connection_file=os.path.join(self._dir, "kernel.json"),
+        )
+        self._km = km
+        # Kernel stdout gets fd-level output that ipykernel also forwards as messages; it must
+        # never be a pipe nobody drains. stderr is kept (bounded by the kernel's lifetime) so a
+        # failed start can be explained.
+        self._stderr = open(os.path.join(self._dir, "stderr.log"), "wb")  # noqa: SIM115
+        env = dict(self._env)
+        env["IPYTHONDIR"] = os.path.join(self._dir, "ipython")
+        env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+        try:
+            await km.start_kernel(
+                env=env, cwd=self._dir, stdout=subprocess.DEVNULL, stderr=self._stderr
+            )
+        except Exception as exc:
+            raise KernelStartError(f"could not launch {self._python}: {exc}") from exc
+        ctx = zmq.asyncio.Context.instance()
+        kc = km.client(context=ctx)
+        kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
+        self._kc = kc
+        try:
+            await asyncio.wait_for(kc.wait_for_ready(timeout=timeout), timeout + 1)
+        except (RuntimeError, asyncio.TimeoutError) as exc:
+            raise KernelStartError(
+                f"kernel did not become ready within {timeout:g} s: {exc}{self._stderr_tail()}"
+            ) from None
+        self._shell = kc.shell_channel.socket
+        self._iopub = kc.iopub_channel.socket
+        self._poller.register(self._shell, zmq.POLLIN)
+        self._poller.register(self._iopub, zmq.POLLIN)
+
+    def _stderr_tail(self, limit: int = 2000) -> str:
+        path = os.path.join(self._dir, "stderr.log")
+        try:
+            with open(path, "rb") as fh:
+                fh.seek(0, os.SEEK_END)
+                fh.seek(max(0, fh.tell() - limit))
+                text = fh.read().decode(errors="replace").strip()
+        except OSError:
+            return ""
+        return f"\nkernel stderr:\n{text}" if text else ""
+
+    async def execute(self, request: ExecuteRequest) -> str:
+        content = {
+            "code": request.code,
+            "silent": request.silent,
+            "store_history": request.store_history,
+            "user_expressions": request.user_expressions,
+            "allow_stdin": False,
+            "stop_on_error": False,
+        }
+        msg = self._kc.session.msg("execute_request", content, metadata=request.metadata)
+        self._kc.shell_channel.send(msg)
+        return str(msg["header"]["msg_id"])
+
+    async def receive(self, timeout: float) -> KernelMessage | None:
+        if self._pending:
+            return self._pending.popleft()
+        events = await self._poller.poll(timeout * 1000)
+        for sock, _ in events:
+            channel = "shell" if sock is self._shell else "iopub"
+            frames = await sock.recv_multipart()
+            msg = self._decode(channel, frames)
+            if msg is not None:
+                self._pending.append(msg)
+        return self._pending.popleft() if self._pending else None
+
+    def _decode(self, channel: str, frames: list[bytes]) -> KernelMessage | None:
+        session = self._kc.session
+        try:
+            _, parts = session.feed_identities(frames, copy=True)
+            msg = session.deserialize(parts, content=True, copy=True)
+            parent = msg.get("parent_header") or {}
+            return KernelMessage(
+                channel=channel,  # type: ignore[arg-type]
+                msg_type=str(msg["header"]["msg_type"]),
+                parent_id=parent.get("msg_id"),
+                content=msg.get("content") or {},
+                metadata=msg.get("metadata") or {},
+            )
+        except Exception:
+            # Bad signature, replay or garbage from the kernel: drop it.
+            return None
+
+    async def is_alive(self) -> bool:
+        km = self._km
+        if km is None or not km.has_kernel:
+            return False
+        alive = bool(await km.is_alive())
+        if not alive and self._exit_code is None:
+            proc = getattr(km.provisioner, "process", None)
+            self._exit_code = getattr(proc, "returncode", None)
+        return alive
+
+    @property
+    def exit_code(self) -> int | None:
+        return self._exit_code
+
+    async def interrupt(self) -> None:
+        km = self._km
+        if km is not None and km.has_kernel:
+            with contextlib.suppress(Exception):
+                await km.interrupt_kernel()
+
+    async def restart(self) -> None:
+        await self.shutdown()
+        self._pending.clear()
+        self._exit_code = None
+        self._poller = zmq.asyncio.Poller()
+        await self.launch(self._start_timeout)
+
+    async def shutdown(self) -> None:
+        km, self._km = self._km, None
+        kc, self._kc = self._kc, None
+        if kc is not None:
+            kc.stop_channels()
+        self._shell = self._iopub = None
+        if km is not None:
+            if km.has_kernel:
+                try:
+                    await km.shutdown_kernel(now=True)
+                except Exception:
+                    await _kill_process_group(km)
+            with contextlib.suppress(Exception):
+                await km.cleanup_resources()
+        if self._stderr is not None:
+            self._stderr.close()
+            self._stderr = None
+        if self._dir:
+            shutil.rmtree(self._dir, ignore_errors=True)
+
+
+async def _kill_process_group(km: AsyncKernelManager) -> None:
+    proc = getattr(km.provisioner, "process", None)
+    if proc is None:
+        return
+    with contextlib.suppress(ProcessLookupError, PermissionError, OSError):
+        os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
+    with contextlib.suppress(Exception):
+        proc.wait(timeout=5)
