@@ -16,6 +16,7 @@ from kernelexec._exceptions import (
     KernelStartError,
     PoolExhaustedError,
     ToolDefinitionError,
+    ToolSchemaWarning,
 )
 from kernelexec._executor import AsyncKernelExecutor
 from kernelexec._models import DEFAULT_ENV_ALLOWLIST, ExecError, Execution, ToolResult
@@ -44,5 +45,6 @@ __all__ = [
     "Tool",
     "ToolDefinitionError",
     "ToolResult",
+    "ToolSchemaWarning",
     "__version__",
 ]

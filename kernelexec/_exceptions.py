@@ -61,3 +61,7 @@ class ExecutionError(KernelExecError):
 
 class ExecutionTimeout(ExecutionError, TimeoutError):
     """The run was stopped because it exceeded its timeout."""
+
+
+class ToolSchemaWarning(UserWarning):
+    """A tool's schema is incomplete (no docstring, an unannotated parameter); it still works."""

@@ -236,11 +236,13 @@ def call() -> None:
     if has_state:
         result["agent_state"] = to_jsonable(args["agent_state"])
     limit = int(spec.get("max_result_chars", 10_000_000))
-    size = len(json.dumps(result, ensure_ascii=False, allow_nan=False))
-    if size > limit:
-        raise KernelexecResultTooLarge(
-            f"the return value is {size} characters as JSON; the limit is {limit}"
-        )
+    for part, data in result.items():
+        size = len(json.dumps(data, ensure_ascii=False, allow_nan=False))
+        if size > limit:
+            what = "return value" if part == "return" else "agent state"
+            raise KernelexecResultTooLarge(
+                f"the {what} is {size} characters as JSON; the limit is {limit}"
+            )
     _state["result"] = result
 
 

@@ -13,7 +13,7 @@ from typing import Any
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from kernelexec._exceptions import ToolDefinitionError
+from kernelexec._exceptions import ToolDefinitionError, ToolSchemaWarning
 from kernelexec._schema import function_schema
 
 
@@ -96,7 +96,7 @@ class Tool(BaseModel):
             raise ToolDefinitionError(f"tool {name!r} is async; tools must be plain functions")
         schema, notes = function_schema(node)
         for note in notes:
-            warnings.warn(note, stacklevel=2)
+            warnings.warn(note, ToolSchemaWarning, stacklevel=2)
         return cls(name=name, source_code=source, json_schema=schema, **kwargs)
 
     @property

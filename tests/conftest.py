@@ -1,0 +1,99 @@
+"""Shared fixtures: real executors that tear down what they start, and a leak check."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kernelexec as kx
+
+
+_TEMP_ROOT: str | None = None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Give each test process its own temp root, so leak checks see only their own dirs."""
+    global _TEMP_ROOT
+    _TEMP_ROOT = tempfile.mkdtemp(prefix="kxtest-")
+    tempfile.tempdir = _TEMP_ROOT
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _TEMP_ROOT is not None:
+        shutil.rmtree(_TEMP_ROOT, ignore_errors=True)
+
+
+def kernel_children() -> set[int]:
+    """Pids of ipykernel processes whose parent is this test process."""
+    me = str(os.getpid())
+    found = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = stat.rsplit(")", 1)[1].split()[1]
+        if ppid == me and b"ipykernel_launcher" in cmdline:
+            found.add(int(entry.name))
+    return found
+
+
+def our_temp_dirs() -> set[str]:
+    tmp = Path(tempfile.gettempdir())
+    return {p.name for p in tmp.iterdir() if p.name.startswith(("kx-", "kernelexec-"))}
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Fail a test that leaves kernel processes or kernelexec temp dirs behind.
+
+    Tests on the shared module executor are checked when that executor closes instead.
+    """
+    if "executor" in request.fixturenames:
+        yield
+        return
+    before_dirs = our_temp_dirs()
+    before = kernel_children()
+    yield
+    leaked = kernel_children() - before
+    assert not leaked, f"kernel processes left running: {leaked}"
+    new_dirs = our_temp_dirs() - before_dirs
+    assert not new_dirs, f"temporary directories left behind: {new_dirs}"
+
+
+@pytest.fixture(scope="module")
+def executor() -> Iterator[kx.KernelExecutor]:
+    """One executor per test module; tests use distinct agent ids."""
+    before, before_dirs = kernel_children(), our_temp_dirs()
+    with kx.KernelExecutor(default_timeout=30, max_kernels=8) as ex:
+        yield ex
+    assert not kernel_children() - before, "the shared executor left kernels running"
+    assert not our_temp_dirs() - before_dirs, "the shared executor left temp dirs"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def _add(a: int, b: int = 2) -> int:
+    """Add two numbers.
+
+    Args:
+        a: The first number.
+        b: The second number.
+    """
+    return a + b
+
+
+@pytest.fixture
+def add_tool() -> kx.Tool:
+    return kx.Tool.from_function(_add)
