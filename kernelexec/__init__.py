@@ -26,11 +26,11 @@ from kernelexec._tools import Tool
 
 __version__ = "0.1.0"
 
-__all__ = [
-    "DEFAULT_ENV_ALLOWLIST",
+__all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "AsyncKernelExecutor",
     "AsyncSession",
     "ConfigError",
+    "DEFAULT_ENV_ALLOWLIST",
     "ExecError",
     "Execution",
     "ExecutionError",

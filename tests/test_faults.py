@@ -1,0 +1,253 @@
+"""Faults against real kernels: timeouts, deaths, floods, hostile messages, concurrency."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import textwrap
+import time
+
+import pytest
+
+import kernelexec as kx
+
+# 5. timeouts -------------------------------------------------------------------------------
+
+
+def test_interruptible_timeout_keeps_state(executor: kx.KernelExecutor) -> None:
+    s = executor.session("timeout-soft")
+    s.run_code("kept = [1, 2, 3]")
+    start = time.monotonic()
+    result = s.run_code("import time\nprint('started')\ntime.sleep(60)", timeout=1.0)
+    elapsed = time.monotonic() - start
+    assert result.error is not None
+    assert result.error.kind == "timeout"
+    assert "state kept" in result.error.evalue
+    assert result.kernel_restarted is False
+    assert result.stdout == "started\n"
+    assert elapsed < 1.0 + 5.0
+    assert s.run_code("kept").result == "[1, 2, 3]"
+
+
+def test_code_ignoring_interrupt_is_restarted_and_names_lost_state() -> None:
+    spin = kx.Tool.from_source(
+        textwrap.dedent(
+            """
+            def spin() -> None:
+                import signal
+                signal.signal(signal.SIGINT, signal.SIG_IGN)
+                while True:
+                    pass
+            """
+        )
+    )
+    with kx.KernelExecutor(interrupt_grace=0.5) as ex:
+        s = ex.session("stuck")
+        s.run_code("precious = 1\ndef helper(): pass")
+        start = time.monotonic()
+        result = s.call_tool(spin, {}, timeout=1.0)
+        elapsed = time.monotonic() - start
+        assert result.error is not None
+        assert result.error.kind == "timeout"
+        assert result.kernel_restarted is True
+        assert result.lost_variables == ["helper", "precious"]
+        assert elapsed < 1.0 + 0.5 + 5.0
+        after = s.run_code("'precious' in globals(), 6 * 7")
+        assert after.ok and after.result == "(False, 42)"
+        assert after.kernel_restarted is False
+
+
+# 6. kernel death ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("code", "reason"),
+    [
+        ("import os; os._exit(3)", "exit code 3"),
+        ("import ctypes; ctypes.string_at(0)", "SIGSEGV"),
+        ("import os, signal; os.kill(os.getpid(), signal.SIGKILL)", "SIGKILL"),
+    ],
+    ids=["os_exit", "segfault", "sigkill"],
+)
+def test_kernel_death_is_reported_and_replaced(
+    executor: kx.KernelExecutor, code: str, reason: str
+) -> None:
+    s = executor.session(f"death-{reason}")
+    s.run_code("before = 1")
+    start = time.monotonic()
+    result = s.run_code(code, timeout=30)
+    assert time.monotonic() - start < 5.0  # noticed by polling the process, not a timeout
+    assert result.error is not None
+    assert result.error.kind == "kernel_died"
+    assert reason in result.error.evalue
+    assert result.kernel_restarted is True
+    assert result.lost_variables == ["before"]
+    assert s.run_code("'before' in globals()").result == "False"
+
+
+def test_exit_in_code_is_reported_and_the_next_call_works(executor: kx.KernelExecutor) -> None:
+    s = executor.session("exit")
+    s.run_code("x = 1")
+    result = s.run_code("exit()")
+    assert result.error is not None and result.error.kind == "kernel_died"
+    assert result.lost_variables == ["x"]
+    assert s.run_code("1 + 1").result == "2"
+
+
+def test_kernel_killed_between_calls_is_noticed(executor: kx.KernelExecutor) -> None:
+    s = executor.session("killed-outside")
+    pid = int(s.run_code("import os; os.getpid()").result or 0)
+    s.run_code("y = 2")
+    os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # wait for the process to be gone, not a fixed sleep
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        with open(f"/proc/{pid}/stat") as fh:
+            if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+    result = s.run_code("'y' in globals()")
+    assert result.ok, result.error
+    assert result.result == "False"
+    assert result.kernel_restarted is True
+    assert "y" in result.lost_variables
+
+
+# 11. output is bounded ---------------------------------------------------------------------
+
+
+def test_output_flood_is_truncated_with_marker() -> None:
+    with kx.KernelExecutor(max_output_chars=10_000) as ex:
+        result = ex.run_code(
+            "import sys, os\n"
+            "print('x' * 5_000_000)\n"
+            "for i in range(100_000): print(i)\n"
+            "os.write(1, b'y' * 2_000_000)\n"
+        )
+        assert result.ok, result.error
+        assert "output truncated" in result.stdout
+        assert len(result.stdout) + len(result.stderr) < 12_000
+        again = ex.run_code("print('fresh budget')")
+        assert again.stdout == "fresh budget\n"
+
+
+# 12. rich outputs and callbacks --------------------------------------------------------------
+
+
+def test_rich_outputs_are_collected_in_order(executor: kx.KernelExecutor) -> None:
+    code = textwrap.dedent(
+        """
+        from IPython.display import display, HTML, Image, JSON
+        import base64
+        png = base64.b64decode(
+            "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+        )
+        print("first")
+        display(HTML("<b>bold</b>"))
+        display(Image(data=png, format="png"))
+        display(JSON({"k": [1, 2]}))
+        "last"
+        """
+    )
+    result = executor.run_code(code, agent_id="rich")
+    assert result.ok, result.error
+    kinds = [o["output_type"] for o in result.outputs]
+    assert kinds == ["stream", "display_data", "display_data", "display_data", "execute_result"]
+    assert result.outputs[1]["data"]["text/html"] == "<b>bold</b>"
+    assert result.outputs[2]["data"]["image/png"].startswith("iVBORw0KGgo")
+    assert result.outputs[3]["data"]["application/json"] == {"k": [1, 2]}
+    assert result.result == "'last'"
+
+
+def test_callbacks_receive_output_as_it_arrives(executor: kx.KernelExecutor) -> None:
+    seen: list[tuple[str, object]] = []
+    result = executor.run_code(
+        "import sys\nfrom IPython.display import display, HTML\n"
+        "print('out', flush=True)\nprint('err', file=sys.stderr, flush=True)\n"
+        "display(HTML('<i>x</i>'))",
+        agent_id="callbacks",
+        on_stdout=lambda t: seen.append(("stdout", t)),
+        on_stderr=lambda t: seen.append(("stderr", t)),
+        on_display=lambda o: seen.append(("display", o["data"]["text/html"])),
+    )
+    assert result.ok
+    assert ("stdout", "out\n") in seen
+    assert ("stderr", "err\n") in seen
+    assert ("display", "<i>x</i>") in seen
+
+
+def test_clear_output_and_display_updates(executor: kx.KernelExecutor) -> None:
+    result = executor.run_code(
+        "from IPython.display import display, clear_output\n"
+        "print('gone')\nclear_output()\n"
+        "h = display('v1', display_id=True)\nh.update('v2')\n",
+        agent_id="clear",
+    )
+    assert result.ok, result.error
+    assert [o["output_type"] for o in result.outputs] == ["display_data"]
+    assert result.outputs[0]["data"]["text/plain"] == "'v2'"
+
+
+# protocol abuse from inside the kernel ----------------------------------------------------------
+
+
+def test_forged_and_badly_signed_messages_are_ignored(executor: kx.KernelExecutor) -> None:
+    code = textwrap.dedent(
+        """
+        k = get_ipython().kernel
+        sess, sock = k.session, k.iopub_socket
+        parent = k.get_parent()
+        good_key = sess.key
+        sess.key = b"wrong"  # a bad signature
+        sess.auth = __import__("hmac").HMAC(b"wrong", digestmod=__import__("hashlib").sha256)
+        sess.send(sock, "stream", {"name": "stdout", "text": "BADSIG\\n"}, parent=parent)
+        sess.key = good_key
+        sess.auth = __import__("hmac").HMAC(good_key, digestmod=__import__("hashlib").sha256)
+        other = {"header": {"msg_id": "someone-else"}}
+        sess.send(sock, "stream", {"name": "stdout", "text": "OTHER\\n"}, parent=other)
+        sock.send_multipart([b"garbage", b"<IDS|MSG>", b"x"])
+        print("real")
+        """
+    )
+    s = executor.session("forged")
+    result = s.run_code(code)
+    assert result.ok, result.error
+    assert result.stdout == "real\n"
+    assert s.run_code("2 + 2").result == "4"
+
+
+# 10. ordering and parallelism ---------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_calls_on_one_session_run_in_submission_order() -> None:
+    async with kx.AsyncKernelExecutor() as ex:
+        s = await ex.session("order")
+        await s.run_code("log = []")
+        calls = [
+            s.run_code(f"import time; time.sleep({0.05 if i % 2 else 0}); log.append({i})")
+            for i in range(8)
+        ]
+        results = await asyncio.gather(*calls)
+        assert all(r.ok for r in results)
+        assert (await s.run_code("log")).result == str(list(range(8)))
+
+
+@pytest.mark.anyio
+async def test_sessions_run_in_parallel(tmp_path: object) -> None:
+    # A waits for a file that only B creates: serialised sessions would deadlock into A's timeout.
+    flag = os.path.join(str(tmp_path), "flag")
+    async with kx.AsyncKernelExecutor() as ex:
+        a, b = await ex.session("par-a"), await ex.session("par-b")
+        await asyncio.gather(a.run_code("1"), b.run_code("1"))
+        wait = a.run_code(
+            f"import os, time\nwhile not os.path.exists({flag!r}): time.sleep(0.01)\n'seen'",
+            timeout=20,
+        )
+        make = b.run_code(f"import time; time.sleep(0.2); open({flag!r}, 'w').close()")
+        ra, rb = await asyncio.gather(wait, make)
+        assert rb.ok
+        assert ra.ok and ra.result == "'seen'"
