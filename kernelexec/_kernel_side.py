@@ -18,6 +18,7 @@ What it does inside the kernel:
 from __future__ import annotations
 
 import base64
+import contextlib
 import dataclasses
 import datetime
 import decimal
@@ -293,10 +294,8 @@ def to_jsonable(value: Any, _seen: set[int] | None = None) -> Any:
             return [to_jsonable(v, seen) for v in value]
         if isinstance(value, (set, frozenset)):
             items = list(value)
-            try:
+            with contextlib.suppress(TypeError):
                 items.sort()
-            except TypeError:
-                pass
             return [to_jsonable(v, seen) for v in items]
         dump = getattr(value, "model_dump", None)
         if callable(dump) and not isinstance(value, type):

@@ -14,8 +14,8 @@ import contextlib
 import logging
 import time
 from collections import deque
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 from kernelexec._exceptions import ExecutorClosedError, KernelStartError, PoolExhaustedError
 from kernelexec.backends._base import ExecuteRequest, KernelBackend, KernelConnection
@@ -144,8 +144,8 @@ class KernelPool:
         if self._closed:
             raise ExecutorClosedError("the executor is closed")
 
-    def _spawn(self, coro: object) -> None:
-        task: asyncio.Task[None] = asyncio.ensure_future(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 

@@ -95,7 +95,8 @@ class _Collector:
             await self._stream(content.get("name", "stdout"), str(content.get("text", "")))
             return
         try:
-            output = dict(output_from_msg({"header": {"msg_type": kind}, "content": content}))
+            msg_dict = {"header": {"msg_type": kind}, "content": content}
+            output = dict(output_from_msg(msg_dict))  # type: ignore[no-untyped-call]
         except Exception:
             return  # malformed output from the kernel
         if kind == "error":

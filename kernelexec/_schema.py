@@ -11,6 +11,7 @@ docstring-parser).
 from __future__ import annotations
 
 import ast
+import contextlib
 from typing import Any
 
 import docstring_parser
@@ -69,7 +70,9 @@ def annotation_schema(node: ast.expr | None) -> dict[str, Any]:
     if not isinstance(node, ast.Subscript):
         return {}
     base = _name(node.value)
-    args = list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
+    args: list[ast.expr] = (
+        list(node.slice.elts) if isinstance(node.slice, ast.Tuple) else [node.slice]
+    )
     if base == "Optional":
         return _union([args[0], ast.Constant(None)])
     if base == "Union":
@@ -85,7 +88,7 @@ def annotation_schema(node: ast.expr | None) -> dict[str, Any]:
     if base == "Annotated":
         return annotation_schema(args[0])
     if base in _ARRAYS:
-        schema = dict(_SCALARS.get(base, {"type": "array"}))
+        schema: dict[str, Any] = dict(_SCALARS.get(base, {"type": "array"}))
         items = annotation_schema(args[0])
         if items:
             schema["items"] = items
@@ -101,12 +104,12 @@ def annotation_schema(node: ast.expr | None) -> dict[str, Any]:
             "maxItems": len(args),
         }
     if base in _MAPS:
-        schema = {"type": "object"}
+        mapping: dict[str, Any] = {"type": "object"}
         if len(args) == 2:
-            values = annotation_schema(args[1])
-            if values:
-                schema["additionalProperties"] = values
-        return schema
+            value_schema = annotation_schema(args[1])
+            if value_schema:
+                mapping["additionalProperties"] = value_schema
+        return mapping
     return {}
 
 
@@ -116,7 +119,7 @@ def _union(nodes: list[ast.expr]) -> dict[str, Any]:
         return {}
     flat: list[dict[str, Any]] = []
     for option in options:
-        flat.extend(option["anyOf"] if "anyOf" in option else [option])
+        flat.extend(option.get("anyOf", [option]))
     if all(set(o) == {"type"} for o in flat):
         types = list(dict.fromkeys(o["type"] for o in flat))
         return {"type": types[0] if len(types) == 1 else types}
@@ -161,10 +164,8 @@ def function_schema(
         if default is None:
             required.append(arg.arg)
         else:
-            try:
+            with contextlib.suppress(ValueError):  # not a literal: the function has it
                 prop["default"] = ast.literal_eval(default)
-            except ValueError:
-                pass  # not a literal: leave the default to the function
         properties[arg.arg] = prop
 
     parameters: dict[str, Any] = {"type": "object", "properties": properties, "required": required}

@@ -34,7 +34,8 @@ class _Portal:
     def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
         if self.portal is None:
             raise ExecutorClosedError("the executor is closed")
-        return self.portal.call(lambda: fn(*args, **kwargs))
+        result: T = self.portal.call(lambda: fn(*args, **kwargs))
+        return result
 
     def stop(self) -> None:
         if self.portal is not None:
@@ -50,7 +51,7 @@ def _shutdown(portal: _Portal, executor: AsyncKernelExecutor) -> None:
 
 
 class Session:
-    """Blocking twin of :class:`~kernelexec.AsyncSession`; get it from ``KernelExecutor.session``."""
+    """Blocking twin of :class:`~kernelexec.AsyncSession`, from ``KernelExecutor.session``."""
 
     def __init__(self, inner: AsyncSession, portal: _Portal) -> None:
         self._inner = inner

@@ -158,7 +158,8 @@ def _describe(error: jsonschema.ValidationError) -> str:
         missing = error.message.split("'")[1] if "'" in error.message else error.message
         return f"missing required argument {missing!r}"
     if error.validator == "additionalProperties" and not where:
-        extra = sorted(set(error.instance) - set(error.schema.get("properties", {})))
+        known = error.schema.get("properties", {}) if isinstance(error.schema, dict) else {}
+        extra = sorted(set(error.instance) - set(known))  # type: ignore[arg-type]
         return "unexpected argument " + ", ".join(repr(e) for e in extra)
     return f"argument {where!r}: {error.message}" if where else error.message
 

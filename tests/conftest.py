@@ -12,7 +12,6 @@ import pytest
 
 import kernelexec as kx
 
-
 _TEMP_ROOT: str | None = None
 
 

@@ -21,7 +21,8 @@ ECHO = tool(
     def echo(value: str) -> dict:
         """Return the value and its hash as seen inside the kernel."""
         import hashlib
-        return {"value": value, "sha": hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()}
+        digest = hashlib.sha256(value.encode("utf-8", "surrogatepass")).hexdigest()
+        return {"value": value, "sha": digest}
     '''
 )
 
@@ -380,6 +381,7 @@ def test_agent_state_pydantic_model_comes_back_as_same_class() -> None:
     assert result.agent_state.turns == 2
     assert result.agent_state.notes == ["AgentState"]
     assert state.turns == 1  # the caller's object is not mutated in place
+
     # Not importable there (a class local to this function): attribute-style data in the
     # kernel, and still the model class on the way back.
     class LocalState(AgentState):

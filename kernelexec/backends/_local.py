@@ -133,7 +133,7 @@ class LocalConnection(KernelConnection):
         # Kernel stdout gets fd-level output that ipykernel also forwards as messages; it must
         # never be a pipe nobody drains. stderr is kept (bounded by the kernel's lifetime) so a
         # failed start can be explained.
-        self._stderr = open(os.path.join(self._dir, "stderr.log"), "wb")  # noqa: SIM115
+        self._stderr = open(os.path.join(self._dir, "stderr.log"), "wb")  # noqa: SIM115, ASYNC230
         env = dict(self._env)
         env["IPYTHONDIR"] = os.path.join(self._dir, "ipython")
         env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
