@@ -66,7 +66,7 @@ class _Budget:
             self.dropped = 0
 
 
-_state: dict[str, Any] = {"result": None, "defined": {}, "budget": None}
+_state: dict[str, Any] = {"result": None, "tools": {}, "budget": None}
 
 
 def _ip() -> Any:
@@ -147,7 +147,7 @@ def report() -> _Report:
     return _Report()
 
 
-def _define(name: str, source: str, digest: str) -> None:
+def _define(name: str, source: str, digest: str) -> Any:
     filename = f"<kernelexec tool {name}>"
     try:
         code = compile(source, filename, "exec")
@@ -160,7 +160,11 @@ def _define(name: str, source: str, digest: str) -> None:
         raise KernelexecInvalidTool(
             f"defining tool {name!r} raised {type(exc).__name__}: {exc}"
         ) from exc
-    _state["defined"][name] = digest
+    fn = _ip().user_ns.get(name)
+    if not callable(fn):
+        raise KernelexecInvalidTool(f"the tool source defines no function named {name!r}")
+    _state["tools"][name] = (digest, fn)
+    return fn
 
 
 def _load_agent_state(spec: dict[str, Any]) -> Any:
@@ -204,12 +208,11 @@ def call() -> None:
     _state["result"] = None
     spec = _payload()
     name = spec["name"]
-    ns = _ip().user_ns
-    if "source" in spec:
-        _define(name, spec["source"], spec["digest"])
-    fn = ns.get(name)
-    if not callable(fn):
-        raise KernelexecInvalidTool(f"the tool source defines no function named {name!r}")
+    # The source comes with every call; it is executed only when new or changed, and the
+    # function is kept here so user code rebinding the name does not change the tool.
+    digest, fn = _state["tools"].get(name, (None, None))
+    if digest != spec["digest"]:
+        fn = _define(name, spec["source"], spec["digest"])
     args = json.loads(spec["args"])
     has_state = "agent_state" in spec
     if has_state:

@@ -55,6 +55,7 @@ class RunOutcome:
     timed_out: bool = False
     stuck: bool = False  # timed out and did not stop within the grace period
     died: bool = False
+    started: bool = False  # the kernel acknowledged the request (any message for it arrived)
     duration_s: float = 0.0
 
 
@@ -200,6 +201,7 @@ async def run_request(
             continue
         if msg.parent_id != msg_id:
             continue
+        out.started = True
         if msg.channel == "shell":
             if msg.msg_type == "execute_reply":
                 out.reply = msg.content

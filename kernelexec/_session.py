@@ -75,7 +75,6 @@ class AsyncSession:
         self._max_result = max_result_chars
         self._lock = asyncio.Lock()
         self._conn: KernelConnection | None = None
-        self._defined: dict[str, str] = {}
         self._names: list[str] = []
         self._lost: list[str] | None = None  # state lost outside a run, not yet reported
         self._closed = False
@@ -161,21 +160,18 @@ class AsyncSession:
             "args": json.dumps(args, ensure_ascii=False),
             "env": dict(env_vars or {}),
             "max_result_chars": self._max_result,
+            "source": tool.source_code,
         }
         if tool.takes_agent_state:
             spec["agent_state"] = _dump_state(agent_state)
         callbacks = Callbacks(on_stdout, on_stderr, on_display)
+        request = ExecuteRequest(
+            code=f"{_MODULE}.call()",
+            user_expressions=_REPORT,
+            metadata={"kernelexec": spec},
+        )
         async with self._lock:
-            if self._defined.get(tool.name) != tool.digest:
-                spec["source"] = tool.source_code
-            request = ExecuteRequest(
-                code=f"{_MODULE}.call()",
-                user_expressions=_REPORT,
-                metadata={"kernelexec": spec},
-            )
             execution, result = await self._run(request, timeout, callbacks)
-            if execution.ok or (execution.error and execution.error.kind == "exception"):
-                self._defined[tool.name] = tool.digest
         fields = execution.model_dump()
         fields["sandbox_config_fingerprint"] = self.fingerprint
         fields["agent_state"] = agent_state
@@ -215,7 +211,6 @@ class AsyncSession:
             return
         self._lost = (self._lost or []) + self._names
         self._names = []
-        self._defined.clear()
         await self._pool.discard(conn)
 
     # -- internals ---------------------------------------------------------------------------
@@ -245,7 +240,6 @@ class AsyncSession:
             conn = await self._pool.acquire()
             self._conn = conn
             self._names = []
-            self._defined.clear()
             await self._configure(conn)
         return conn, lost
 
@@ -268,7 +262,6 @@ class AsyncSession:
     async def _replace_kernel(self) -> None:
         old, self._conn = self._conn, None
         self._names = []
-        self._defined.clear()
         if old is not None:
             self._conn = await self._pool.replace(old)
             await self._configure(self._conn)
@@ -283,20 +276,37 @@ class AsyncSession:
             raise ValueError(f"timeout must be positive, got {timeout}")
         try:
             conn, lost = await self._attach()
-            out = await run_request(
-                conn,
-                request,
-                timeout=timeout,
-                interrupt_grace=self._grace,
-                output_grace=self._output_grace,
-                max_output_chars=self._max_output,
-                callbacks=callbacks,
-            )
+            out = await self._send(conn, request, timeout, callbacks)
+            if out.died and not out.started:
+                # The kernel died before it saw the request (e.g. killed between calls): the
+                # code never ran, so run it once on a fresh kernel.
+                lost = (lost or []) + self._names
+                await self._replace_kernel()
+                assert self._conn is not None
+                conn = self._conn
+                out = await self._send(conn, request, timeout, callbacks)
             execution, result = await self._finish(out, conn, timeout, lost)
         finally:
             self.last_used = time.monotonic()
         execution.duration_s = time.monotonic() - start
         return execution, result
+
+    async def _send(
+        self,
+        conn: KernelConnection,
+        request: ExecuteRequest,
+        timeout: float,
+        callbacks: Callbacks,
+    ) -> RunOutcome:
+        return await run_request(
+            conn,
+            request,
+            timeout=timeout,
+            interrupt_grace=self._grace,
+            output_grace=self._output_grace,
+            max_output_chars=self._max_output,
+            callbacks=callbacks,
+        )
 
     async def _finish(
         self, out: RunOutcome, conn: KernelConnection, timeout: float, lost: list[str] | None

@@ -1,0 +1,5 @@
+"""``python -m kernelexec``: the command line."""
+
+from kernelexec._cli import entry
+
+entry()
