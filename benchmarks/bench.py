@@ -1,0 +1,456 @@
+"""kernelexec benchmark: persistent kernels against the subprocess-per-call baseline, one run.
+
+Prints a table and writes JSON (default ``benchmarks/results/latest.json``). Every ratio is
+computed between rows measured in this same run, on this machine.
+
+    python benchmarks/bench.py            # full run (a few minutes)
+    python benchmarks/bench.py --quick    # tiny counts, a smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import os
+import pickle
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import kernelexec as kx
+
+ADD_SOURCE = '''
+def add(a: int, b: int) -> int:
+    """Add two integers.
+
+    Args:
+        a: First.
+        b: Second.
+    """
+    return a + b
+'''
+
+# -- the baseline: a faithful re-implementation of the subprocess-per-call sandbox ---------------
+
+_MARKER = "<<KX_BASELINE_RESULT>>"
+
+_SCRIPT = """{model}
+{source}
+
+import base64, pickle
+{validate}
+_result = {name}(**{args!r})
+print({marker!r} + base64.b64encode(pickle.dumps(_result)).decode())
+"""
+
+_MODEL = """
+from pydantic import BaseModel
+
+class AddArgs(BaseModel):
+    a: int
+    b: int
+"""
+
+
+async def baseline_call(
+    source: str, name: str, args: dict[str, Any], workdir: str, with_model: bool = False
+) -> Any:
+    """Write a script with the arguments pasted in, run a fresh python, unpickle stdout."""
+    script = _SCRIPT.format(
+        model=_MODEL if with_model else "",
+        source=source,
+        validate="AddArgs(**" + repr(args) + ")" if with_model else "",
+        name=name,
+        args=args,
+        marker=_MARKER,
+    )
+    path = os.path.join(workdir, f"tool_{time.monotonic_ns()}.py")
+    Path(path).write_text(script)  # noqa: ASYNC240
+    try:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            path,
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.PIPE,
+            env=os.environ.copy(),
+        )
+        out, err = await asyncio.wait_for(proc.communicate(), 60)
+    finally:
+        os.unlink(path)
+    text = out.decode()
+    if _MARKER not in text:
+        raise RuntimeError(f"baseline call failed: {err.decode()[-500:]}")
+    payload = text.split(_MARKER, 1)[1].strip()
+    return pickle.loads(base64.b64decode(payload))
+
+
+# -- helpers --------------------------------------------------------------------------------------
+
+
+def stats(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    n = len(ordered)
+
+    def pct(p: float) -> float:
+        return ordered[min(n - 1, int(p * n))] * 1000
+
+    return {
+        "n": n,
+        "median_ms": statistics.median(ordered) * 1000,
+        "p90_ms": pct(0.90),
+        "p99_ms": pct(0.99),
+    }
+
+
+async def timed(n: int, fn: Callable[[], Awaitable[Any]]) -> list[float]:
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        await fn()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def rss_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def pss_kib(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            if line.startswith("Pss:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+# -- scenarios ------------------------------------------------------------------------------------
+
+
+async def bench_warm(results: dict[str, Any], n: int, n_base: int, workdir: str) -> None:
+    tool = kx.Tool.from_source(ADD_SOURCE)
+    log(f"baseline: {n_base} subprocess calls (plain and with a pydantic args model)")
+    await baseline_call(ADD_SOURCE, "add", {"a": 1, "b": 2}, workdir)
+    results["baseline"] = stats(
+        await timed(n_base, lambda: baseline_call(ADD_SOURCE, "add", {"a": 1, "b": 2}, workdir))
+    )
+    results["baseline_model"] = stats(
+        await timed(
+            n_base // 2,
+            lambda: baseline_call(ADD_SOURCE, "add", {"a": 1, "b": 2}, workdir, with_model=True),
+        )
+    )
+    log(f"kernelexec: {n} warm call_tool calls")
+    async with kx.AsyncKernelExecutor() as ex:
+        s = await ex.session("warm")
+        for _ in range(20):
+            r = await s.call_tool(tool, {"a": 1, "b": 2})
+            assert r.func_return == 3, r
+        results["call_tool_warm"] = stats(
+            await timed(n, lambda: s.call_tool(tool, {"a": 1, "b": 2}))
+        )
+        await s.run_code(ADD_SOURCE)
+        results["run_code_warm"] = stats(await timed(n, lambda: s.run_code("add(1, 2)")))
+    log(f"floor: {n} bare jupyter-client executes")
+    results["floor_jupyter_client"] = stats(await bare_client_floor(n))
+
+
+async def bare_client_floor(n: int) -> list[float]:
+    """A stock AsyncKernelClient execute of the same code, iopub drained until idle.
+
+    The kernel gets the same flags kernelexec's local backend uses, so the difference between
+    this row and call_tool is kernelexec's own layer.
+    """
+    from jupyter_client.manager import AsyncKernelManager
+
+    from kernelexec.backends._local import _KERNEL_FLAGS
+
+    sockdir = tempfile.mkdtemp(prefix="kxfloor-")
+    km = AsyncKernelManager(
+        kernel_name="python3",
+        transport="ipc",
+        ip=os.path.join(sockdir, "s"),
+        connection_file=os.path.join(sockdir, "kernel.json"),
+    )
+    await km.start_kernel(extra_arguments=list(_KERNEL_FLAGS))
+    kc = km.client()
+    kc.start_channels()
+    try:
+        await kc.wait_for_ready(timeout=60)
+        await kc.execute_interactive(ADD_SOURCE, timeout=30)
+
+        async def one() -> None:
+            msg_id = kc.execute("add(1, 2)")
+            while True:
+                msg = await kc.get_iopub_msg(timeout=30)
+                if (
+                    msg["parent_header"].get("msg_id") == msg_id
+                    and msg["msg_type"] == "status"
+                    and msg["content"]["execution_state"] == "idle"
+                ):
+                    break
+            await kc.get_shell_msg(timeout=30)
+
+        for _ in range(20):
+            await one()
+        return await timed(n, one)
+    finally:
+        kc.stop_channels()
+        await km.shutdown_kernel(now=True)
+        shutil.rmtree(sockdir, ignore_errors=True)
+
+
+async def bench_first_call(results: dict[str, Any], rounds: int) -> None:
+    tool = kx.Tool.from_source(ADD_SOURCE)
+    cold, warm = [], []
+    log(f"first call of a new session: {rounds} rounds with and without prewarm")
+    for i in range(rounds):
+        async with kx.AsyncKernelExecutor() as ex:
+            t0 = time.perf_counter()
+            await ex.call_tool(tool, {"a": 1, "b": 2}, agent_id=f"cold-{i}")
+            cold.append(time.perf_counter() - t0)
+        async with kx.AsyncKernelExecutor(prewarm=1) as ex:
+            await ex.warm_up()
+            t0 = time.perf_counter()
+            await ex.call_tool(tool, {"a": 1, "b": 2}, agent_id=f"warm-{i}")
+            warm.append(time.perf_counter() - t0)
+    results["first_call_cold"] = stats(cold)
+    results["first_call_prewarm"] = stats(warm)
+
+
+async def bench_throughput(results: dict[str, Any], levels: list[int], window: float) -> None:
+    tool = kx.Tool.from_source(ADD_SOURCE)
+    rows = []
+    for n in levels:
+        log(f"throughput: {n} concurrent sessions for {window:g} s")
+        async with kx.AsyncKernelExecutor(max_kernels=max(n, 1)) as ex:
+            sessions = [await ex.session(f"t{i}") for i in range(n)]
+            await asyncio.gather(*(s.call_tool(tool, {"a": 1, "b": 2}) for s in sessions))
+            errors = 0
+            count = 0
+            lat: list[float] = []
+            stop = time.perf_counter() + window
+
+            async def worker(
+                s: kx.AsyncSession, stop: float = stop, lat: list[float] = lat
+            ) -> None:
+                nonlocal errors, count
+                while time.perf_counter() < stop:
+                    t0 = time.perf_counter()
+                    r = await s.call_tool(tool, {"a": 1, "b": 2})
+                    lat.append(time.perf_counter() - t0)
+                    count += 1
+                    errors += not r.ok
+
+            t0 = time.perf_counter()
+            await asyncio.gather(*(worker(s) for s in sessions))
+            elapsed = time.perf_counter() - t0
+            pids = [int((await s.run_code("import os; os.getpid()")).result or 0) for s in sessions]
+            row = {
+                "sessions": n,
+                "calls_per_s": count / elapsed,
+                "errors": errors,
+                **{k: v for k, v in stats(lat).items() if k != "n"},
+                "kernel_rss_mib_per_session": sum(rss_kib(p) for p in pids) / n / 1024,
+                "kernel_pss_mib_per_session": sum(pss_kib(p) for p in pids) / n / 1024,
+                "host_rss_mib": rss_kib(os.getpid()) / 1024,
+            }
+            rows.append(row)
+    results["throughput"] = rows
+
+
+_BUILD_BODY = """
+    table = [{"id": i, "group": i % 97, "value": (i * 7919) % 1000} for i in range(rows)]
+    index = {}
+    for row in table:
+        index.setdefault(row["group"], []).append(row["value"])
+    means = {g: sum(v) / len(v) for g, v in index.items()}
+"""
+
+STATE_BUILD = f'''
+def build(rows: int) -> int:
+    """Build a 1M-row table and its per-group index once; keep them in the session."""
+    global table, means
+{_BUILD_BODY}
+    return len(table)
+'''
+
+STATE_QUERY = '''
+def query(group: int) -> float:
+    """Mean value of one group, from the index built earlier."""
+    return means[group]
+'''
+
+# The baseline has no state between calls: every query rebuilds the table and index.
+BASELINE_STATEFUL = f"""
+def query(group: int, rows: int = 1000000) -> float:
+{_BUILD_BODY}
+    return means[group]
+"""
+
+STATE_ROWS = 1_000_000
+
+
+async def bench_stateful(results: dict[str, Any], queries: int, workdir: str) -> None:
+    log(f"stateful workload: build {STATE_ROWS:,} rows once, then {queries} queries")
+    build = kx.Tool.from_source(STATE_BUILD)
+    query = kx.Tool.from_source(STATE_QUERY)
+    async with kx.AsyncKernelExecutor() as ex:
+        s = await ex.session("stateful")
+        await s.run_code("1")
+        t0 = time.perf_counter()
+        assert (await s.call_tool(build, {"rows": STATE_ROWS})).func_return == STATE_ROWS
+        t1 = time.perf_counter()
+        answers = [
+            (await s.call_tool(query, {"group": g % 97})).func_return for g in range(queries)
+        ]
+        kx_query = time.perf_counter() - t1
+        kx_total = time.perf_counter() - t0
+    n_base = max(2, queries // 20)
+    t0 = time.perf_counter()
+    base_answers = [
+        await baseline_call(BASELINE_STATEFUL, "query", {"group": g % 97}, workdir)
+        for g in range(n_base)
+    ]
+    base_per_call = (time.perf_counter() - t0) / n_base
+    assert base_answers == answers[:n_base]
+    results["stateful"] = {
+        "queries": queries,
+        "kernelexec_total_s": kx_total,
+        "kernelexec_per_query_ms": kx_query / queries * 1000,
+        "baseline_per_call_ms": base_per_call * 1000,
+        "baseline_total_s_extrapolated": base_per_call * queries,
+        "baseline_calls_measured": n_base,
+    }
+
+
+# -- report ---------------------------------------------------------------------------------
+
+
+def table(results: dict[str, Any]) -> str:
+    base = results["baseline"]["median_ms"]
+    floor = results["floor_jupyter_client"]["median_ms"]
+    lines = [
+        "| scenario | median ms | p90 ms | p99 ms | vs baseline |",
+        "|---|---|---|---|---|",
+    ]
+    for key, label in [
+        ("baseline", "baseline: subprocess per call (pickle between markers)"),
+        ("baseline_model", "baseline + generated pydantic args model"),
+        ("floor_jupyter_client", "floor: bare jupyter-client execute, iopub to idle"),
+        ("call_tool_warm", "kernelexec call_tool, warm"),
+        ("run_code_warm", "kernelexec run_code `add(1, 2)`, warm"),
+        ("first_call_prewarm", "first call of a new session, prewarm=1"),
+        ("first_call_cold", "first call of a new session, no prewarm"),
+    ]:
+        if key not in results:
+            continue
+        r = results[key]
+        ratio = base / r["median_ms"]
+        lines.append(
+            f"| {label} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | {r['p99_ms']:.2f} | "
+            f"{ratio:.1f}x faster |"
+            if ratio >= 1
+            else f"| {label} | {r['median_ms']:.2f} | {r['p90_ms']:.2f} | {r['p99_ms']:.2f} | "
+            f"{1 / ratio:.1f}x slower |"
+        )
+    warm = results["call_tool_warm"]["median_ms"]
+    lines.append("")
+    lines.append(
+        f"call_tool vs baseline: {base / warm:.1f}x faster; vs baseline with args model: "
+        f"{results['baseline_model']['median_ms'] / warm:.1f}x faster; "
+        f"overhead over the bare jupyter-client floor: {warm / floor:.2f}x"
+    )
+    if "first_call_prewarm" in results:
+        lines.append(
+            f"first call with prewarm / warm call: "
+            f"{results['first_call_prewarm']['median_ms'] / warm:.2f}x"
+        )
+    if "throughput" in results:
+        lines += [
+            "",
+            "| sessions | calls/s | p50 ms | p99 ms | errors | kernel RSS MiB/session "
+            "| kernel PSS MiB/session | host RSS MiB |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for row in results["throughput"]:
+            lines.append(
+                f"| {row['sessions']} | {row['calls_per_s']:.0f} | {row['median_ms']:.2f} | "
+                f"{row['p99_ms']:.2f} | {row['errors']} | {row['kernel_rss_mib_per_session']:.1f} "
+                f"| {row['kernel_pss_mib_per_session']:.1f} | {row['host_rss_mib']:.0f} |"
+            )
+    if "stateful" in results:
+        st = results["stateful"]
+        ratio = st["baseline_total_s_extrapolated"] / st["kernelexec_total_s"]
+        lines += [
+            "",
+            f"stateful (build {STATE_ROWS:,} rows once, {st['queries']} queries): kernelexec "
+            f"{st['kernelexec_total_s']:.2f} s in total including the build "
+            f"({st['kernelexec_per_query_ms']:.2f} ms per query); the baseline rebuilds on "
+            f"every call, {st['baseline_per_call_ms']:.0f} ms/call -> "
+            f"{st['baseline_total_s_extrapolated']:.1f} s ({ratio:.0f}x slower in total, "
+            f"{st['baseline_per_call_ms'] / st['kernelexec_per_query_ms']:.0f}x per query)",
+        ]
+    return "\n".join(lines)
+
+
+async def main_async(args: argparse.Namespace) -> dict[str, Any]:
+    quick = args.quick
+    results: dict[str, Any] = {
+        "machine": {
+            "python": platform.python_version(),
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "kernelexec": kx.__version__,
+        },
+        "quick": quick,
+    }
+    with tempfile.TemporaryDirectory(prefix="kxbench-") as workdir:
+        await bench_warm(
+            results, n=50 if quick else 1000, n_base=10 if quick else 200, workdir=workdir
+        )
+        await bench_first_call(results, rounds=1 if quick else 8)
+        await bench_throughput(
+            results, levels=[1, 2] if quick else [1, 2, 4, 8, 32], window=0.5 if quick else 3.0
+        )
+        await bench_stateful(results, queries=10 if quick else 100, workdir=workdir)
+    return results
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--quick", action="store_true", help="tiny counts (smoke run)")
+    parser.add_argument(
+        "--out", default=str(Path(__file__).parent / "results" / "latest.json"), help="JSON path"
+    )
+    args = parser.parse_args()
+    results = asyncio.run(main_async(args))
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(results, indent=2))
+    print(table(results))
+    log(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
