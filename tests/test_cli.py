@@ -1,0 +1,127 @@
+"""The command line, run as real subprocesses: exit codes, output, ``--json``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+TOOL = textwrap.dedent(
+    '''
+    def greet(name: str, times: int = 1) -> str:
+        """Greet someone.
+
+        Args:
+            name: Who to greet.
+            times: How often.
+        """
+        print("greeting", name)
+        return " ".join(["hello " + name] * times)
+    '''
+)
+
+
+def kernelexec(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kernelexec", *args],
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+@pytest.fixture
+def tool_file(tmp_path: Path) -> Path:
+    path = tmp_path / "greet.py"
+    path.write_text(TOOL)
+    return path
+
+
+def test_run_json_prints_only_json(tool_file: Path) -> None:
+    proc = kernelexec(
+        "run", str(tool_file), "--args", '{"name": "Ada \\u00e9", "times": 2}', "--json"
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = json.loads(proc.stdout)
+    assert result["status"] == "success"
+    assert result["func_return"] == "hello Ada é hello Ada é"
+    assert result["stdout"] == "greeting Ada é\n"
+
+
+def test_run_with_bad_args_fails_with_status_1(tool_file: Path) -> None:
+    proc = kernelexec("run", str(tool_file), "--args", '{"times": 2}', "--json")
+    assert proc.returncode == 1
+    result = json.loads(proc.stdout)
+    assert result["error"]["kind"] == "invalid_args"
+    assert "name" in result["error"]["evalue"]
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["run", "/no/such/file.py"],
+        ["run", "TOOL", "--args", "{not json"],
+        ["run", "TOOL", "--args", "[1, 2]"],
+        ["frobnicate"],
+    ],
+)
+def test_bad_usage_exits_2(tool_file: Path, args: list[str]) -> None:
+    proc = kernelexec(*[str(tool_file) if a == "TOOL" else a for a in args])
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert proc.stderr.strip()
+
+
+def test_exec_from_argument_and_stdin() -> None:
+    proc = kernelexec("exec", "print('hi'); 6 * 7")
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout == "hi\n42\n"
+    proc = kernelexec("exec", "-", "--json", stdin="import sys\nprint('from stdin')\n1/0\n")
+    assert proc.returncode == 1
+    result = json.loads(proc.stdout)
+    assert result["stdout"] == "from stdin\n"
+    assert result["error"]["ename"] == "ZeroDivisionError"
+
+
+def test_exec_timeout_exits_1() -> None:
+    proc = kernelexec("exec", "import time; time.sleep(30)", "--timeout", "1", "--json")
+    assert proc.returncode == 1
+    assert json.loads(proc.stdout)["error"]["kind"] == "timeout"
+
+
+def test_schema(tool_file: Path) -> None:
+    proc = kernelexec("schema", str(tool_file))
+    assert proc.returncode == 0, proc.stderr
+    schema = json.loads(proc.stdout)
+    assert schema["name"] == "greet"
+    assert schema["parameters"]["required"] == ["name"]
+    assert schema["parameters"]["properties"]["times"]["default"] == 1
+
+
+def test_demo_runs_the_stateful_session() -> None:
+    proc = kernelexec("demo", "--calls", "20")
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout
+    assert "load_orders(n=10000)" in out and "{'loaded': 10000}" in out
+    assert "invalid_args" in out
+    assert "KeyError" in out
+    assert "timeout" in out and "state kept" in out
+    assert "-> 10000" in out  # state survived the timeout
+    assert "20 warm calls" in out
+
+
+def test_repl_keeps_state_across_inputs() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kernelexec", "repl"],
+        input="x = 20\ndef f(y):\n    return x + y\n\nf(22)\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "42" in proc.stdout
