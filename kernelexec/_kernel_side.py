@@ -147,7 +147,7 @@ def report() -> _Report:
     return _Report()
 
 
-def _define(name: str, source: str, digest: str) -> Any:
+def _define(name: str, source: str, digest: str) -> tuple[Any, inspect.Signature | None]:
     filename = f"<kernelexec tool {name}>"
     try:
         code = compile(source, filename, "exec")
@@ -163,8 +163,12 @@ def _define(name: str, source: str, digest: str) -> Any:
     fn = _ip().user_ns.get(name)
     if not callable(fn):
         raise KernelexecInvalidTool(f"the tool source defines no function named {name!r}")
-    _state["tools"][name] = (digest, fn)
-    return fn
+    try:
+        signature: inspect.Signature | None = inspect.signature(fn)
+    except (TypeError, ValueError):
+        signature = None  # builtins without a signature: let the call itself complain
+    _state["tools"][name] = (digest, fn, signature)
+    return fn, signature
 
 
 def _load_agent_state(spec: dict[str, Any]) -> Any:
@@ -210,19 +214,18 @@ def call() -> None:
     name = spec["name"]
     # The source comes with every call; it is executed only when new or changed, and the
     # function is kept here so user code rebinding the name does not change the tool.
-    digest, fn = _state["tools"].get(name, (None, None))
+    digest, fn, signature = _state["tools"].get(name, (None, None, None))
     if digest != spec["digest"]:
-        fn = _define(name, spec["source"], spec["digest"])
+        fn, signature = _define(name, spec["source"], spec["digest"])
     args = json.loads(spec["args"])
     has_state = "agent_state" in spec
     if has_state:
         args["agent_state"] = _load_agent_state(spec["agent_state"])
-    try:
-        inspect.signature(fn).bind(**args)
-    except TypeError as exc:
-        raise KernelexecInvalidArgs(f"{name}(): {exc}") from None
-    except ValueError:
-        pass  # builtins without a signature: let the call itself complain
+    if signature is not None:
+        try:
+            signature.bind(**args)
+        except TypeError as exc:
+            raise KernelexecInvalidArgs(f"{name}(): {exc}") from None
 
     env = spec.get("env") or {}
     saved = {key: os.environ.get(key) for key in env}

@@ -38,6 +38,7 @@ class Tool(BaseModel):
     pip_requirements: list[str] = Field(default_factory=list)
 
     _validator: Any = PrivateAttr(default=None)
+    _agent_state: bool | None = PrivateAttr(default=None)
 
     @field_validator("name")
     @classmethod
@@ -112,6 +113,11 @@ class Tool(BaseModel):
     @property
     def takes_agent_state(self) -> bool:
         """Whether the function has an ``agent_state`` parameter (injected, not in the schema)."""
+        if self._agent_state is None:
+            object.__setattr__(self, "_agent_state", self._find_agent_state())
+        return bool(self._agent_state)
+
+    def _find_agent_state(self) -> bool:
         try:
             node = _parse_functions(self.source_code).get(self.name)
         except ToolDefinitionError:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
+import json
 import os
 import shutil
 import signal
@@ -89,6 +91,8 @@ class LocalConnection(KernelConnection):
         self._exit_code: int | None = None
         self._kc: Any = None
         self._start_timeout = 30.0
+        self._drain: list[tuple[str, zmq.Socket[bytes]]] = []
+        self._seen: dict[bytes, None] = {}  # recent signatures: replayed messages are dropped
 
     @property
     def kernel_id(self) -> str:
@@ -157,6 +161,12 @@ class LocalConnection(KernelConnection):
         self._iopub = kc.iopub_channel.socket
         self._poller.register(self._shell, zmq.POLLIN)
         self._poller.register(self._iopub, zmq.POLLIN)
+        # Blocking twins of the two sockets, to drain every ready message without a future each.
+        self._drain = [
+            ("shell", zmq.Socket.shadow(self._shell.underlying)),
+            ("iopub", zmq.Socket.shadow(self._iopub.underlying)),
+        ]
+        self._seen.clear()
 
     def _stderr_tail(self, limit: int = 2000) -> str:
         path = os.path.join(self._dir, "stderr.log")
@@ -185,30 +195,45 @@ class LocalConnection(KernelConnection):
     async def receive(self, timeout: float) -> KernelMessage | None:
         if self._pending:
             return self._pending.popleft()
-        events = await self._poller.poll(timeout * 1000)
-        for sock, _ in events:
-            channel = "shell" if sock is self._shell else "iopub"
-            frames = await sock.recv_multipart()
-            msg = self._decode(channel, frames)
-            if msg is not None:
-                self._pending.append(msg)
+        if not await self._poller.poll(timeout * 1000):
+            return None
+        for channel, sock in self._drain:
+            while True:
+                try:
+                    frames = sock.recv_multipart(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                msg = self._decode(channel, frames)
+                if msg is not None:
+                    self._pending.append(msg)
         return self._pending.popleft() if self._pending else None
 
     def _decode(self, channel: str, frames: list[bytes]) -> KernelMessage | None:
+        # jupyter-client's Session.deserialize would also parse every header date with
+        # dateutil, a large share of a warm call's host time; kernelexec needs no dates.
         session = self._kc.session
         try:
             _, parts = session.feed_identities(frames, copy=True)
-            msg = session.deserialize(parts, content=True, copy=True)
-            parent = msg.get("parent_header") or {}
+            signature = parts[0]
+            if not signature or signature in self._seen:
+                return None
+            if not hmac.compare_digest(signature, session.sign(parts[1:5])):
+                return None
+            self._seen[signature] = None
+            if len(self._seen) > 4096:
+                del self._seen[next(iter(self._seen))]
+            header = json.loads(parts[1])
+            parent = json.loads(parts[2]) or {}
+            content = json.loads(parts[4])
             return KernelMessage(
                 channel=channel,  # type: ignore[arg-type]
-                msg_type=str(msg["header"]["msg_type"]),
+                msg_type=str(header["msg_type"]),
                 parent_id=parent.get("msg_id"),
-                content=msg.get("content") or {},
-                metadata=msg.get("metadata") or {},
+                content=content if isinstance(content, dict) else {},
+                metadata=json.loads(parts[3]) or {},
             )
         except Exception:
-            # Bad signature, replay or garbage from the kernel: drop it.
+            # Garbage from the kernel (it holds the key and may send anything): drop it.
             return None
 
     async def is_alive(self) -> bool:
@@ -244,6 +269,9 @@ class LocalConnection(KernelConnection):
         if kc is not None:
             kc.stop_channels()
         self._shell = self._iopub = None
+        for _, sock in self._drain:
+            sock.close(linger=0)
+        self._drain = []
         if km is not None:
             if km.has_kernel:
                 try:
