@@ -9,6 +9,7 @@ interrupted; if it does not finish within the grace period the caller must resta
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
 from collections.abc import Awaitable, Callable
@@ -179,7 +180,29 @@ async def run_request(
     collector = _Collector(out, max_output_chars, callbacks or Callbacks())
     start = time.monotonic()
     msg_id = await conn.execute(request)
-    deadline = start + timeout
+    try:
+        await _collect(conn, msg_id, out, collector, start + timeout, interrupt_grace, output_grace)
+    except asyncio.CancelledError:
+        # The caller gave up (its own timeout, a disconnect): stop the code so the session's
+        # next call does not queue behind it in the kernel.
+        if not out.reply:
+            await asyncio.shield(conn.interrupt())
+        raise
+    if out.reply is not None and out.execution_count is None:
+        out.execution_count = out.reply.get("execution_count")
+    out.duration_s = time.monotonic() - start
+    return out
+
+
+async def _collect(
+    conn: KernelConnection,
+    msg_id: str,
+    out: RunOutcome,
+    collector: _Collector,
+    deadline: float,
+    interrupt_grace: float,
+    output_grace: float,
+) -> None:
     idle = False
     while out.reply is None or not idle:
         now = time.monotonic()
@@ -211,7 +234,3 @@ async def run_request(
             idle = msg.content.get("execution_state") == "idle"
         else:
             await collector.add(msg)
-    if out.reply is not None and out.execution_count is None:
-        out.execution_count = out.reply.get("execution_count")
-    out.duration_s = time.monotonic() - start
-    return out

@@ -251,3 +251,25 @@ async def test_sessions_run_in_parallel(tmp_path: object) -> None:
         ra, rb = await asyncio.gather(wait, make)
         assert rb.ok
         assert ra.ok and ra.result == "'seen'"
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_call_interrupts_the_kernel() -> None:
+    async with kx.AsyncKernelExecutor() as ex:
+        s = await ex.session("cancel")
+        await s.run_code("kept = 5")
+        started = asyncio.Event()
+        call = asyncio.ensure_future(
+            s.run_code(
+                "import time; print('go', flush=True); time.sleep(60)",
+                on_stdout=lambda _: started.set(),
+            )
+        )
+        await asyncio.wait_for(started.wait(), 20)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        # Without the interrupt this would queue behind the 60 s sleep and time out.
+        after = await s.run_code("kept", timeout=10)
+        assert after.ok, after.error
+        assert after.result == "5"

@@ -171,3 +171,12 @@ def test_restart_and_interrupt_from_the_api(executor: kx.KernelExecutor) -> None
     assert "a" in after.lost_variables
     assert _pid(s.run_code(PID)) != old
     assert os.getpid() != old
+
+
+def test_sync_facade_works_where_a_loop_is_already_running() -> None:
+    # As inside Jupyter: the calling thread already runs an event loop.
+    async def inside_a_running_loop() -> str | None:
+        with kx.KernelExecutor() as ex:
+            return ex.run_code("21 * 2").result
+
+    assert asyncio.run(inside_a_running_loop()) == "42"
