@@ -87,7 +87,6 @@ class AsyncKernelExecutor:
         self._pool: KernelPool | None = None
         self._own_workdir = False
         self._workdir: Path | None = None
-        self._lock = asyncio.Lock()
         self.fingerprint = hashlib.sha256(
             f"{self.backend.describe()}|{sys.version}".encode()
         ).hexdigest()[:16]

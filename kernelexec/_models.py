@@ -12,9 +12,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kernelexec._exceptions import ExecutionError, ExecutionTimeout
 
-ErrorKind = Literal[
-    "exception", "timeout", "kernel_died", "invalid_args", "invalid_tool", "env_setup_failed"
-]
+ErrorKind = Literal["exception", "timeout", "kernel_died", "invalid_args", "invalid_tool"]
 
 DEFAULT_ENV_ALLOWLIST: tuple[str, ...] = (
     "PATH",
@@ -40,7 +38,7 @@ class ExecError(BaseModel):
     Attributes:
         kind: ``exception`` (the code raised), ``timeout``, ``kernel_died``, ``invalid_args``
             (arguments did not match the tool's schema; the tool did not run), ``invalid_tool``
-            (the tool's source did not compile or lacks the function) or ``env_setup_failed``.
+            (the tool's source did not compile or lacks the function).
         ename: Exception class name (e.g. ``"ValueError"``).
         evalue: Exception message.
         traceback: Traceback lines as the kernel sent them (may contain ANSI colour codes).

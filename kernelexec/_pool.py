@@ -18,6 +18,7 @@ from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
 from kernelexec._exceptions import ExecutorClosedError, KernelStartError, PoolExhaustedError
+from kernelexec._run import run_internal
 from kernelexec.backends._base import ExecuteRequest, KernelBackend, KernelConnection
 
 if TYPE_CHECKING:
@@ -179,16 +180,7 @@ class KernelPool:
         return conn
 
     async def _install(self, conn: KernelConnection) -> None:
-        from kernelexec._run import run_request
-
-        out = await run_request(
-            conn,
-            self._bootstrap,
-            timeout=self._start_timeout,
-            interrupt_grace=1.0,
-            output_grace=1.0,
-            max_output_chars=10_000,
-        )
+        out = await run_internal(conn, self._bootstrap, self._start_timeout)
         if out.died or out.timed_out or (out.reply or {}).get("status") != "ok":
             detail = (out.error or out.reply or {}).get("evalue", "no reply")
             raise KernelStartError(f"installing kernelexec's helper in the kernel failed: {detail}")

@@ -161,6 +161,20 @@ class _Collector:
         self.clear_pending = False
 
 
+async def run_internal(
+    conn: KernelConnection, request: ExecuteRequest, timeout: float
+) -> RunOutcome:
+    """Run one of kernelexec's own setup requests (installing the helper, configuring)."""
+    return await run_request(
+        conn,
+        request,
+        timeout=timeout,
+        interrupt_grace=1.0,
+        output_grace=1.0,
+        max_output_chars=10_000,
+    )
+
+
 async def run_request(
     conn: KernelConnection,
     request: ExecuteRequest,

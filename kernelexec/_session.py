@@ -6,7 +6,6 @@ import asyncio
 import json
 import signal
 import time
-from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,7 +13,7 @@ from pydantic import BaseModel
 
 from kernelexec._exceptions import ExecutorClosedError
 from kernelexec._models import ExecError, Execution, ToolResult
-from kernelexec._run import Callbacks, OutputCallback, RunOutcome, run_request
+from kernelexec._run import Callbacks, OutputCallback, RunOutcome, run_internal, run_request
 from kernelexec._tools import Tool
 from kernelexec.backends._base import ExecuteRequest, KernelConnection
 
@@ -250,14 +249,7 @@ class AsyncSession:
             store_history=False,
             metadata={"kernelexec": {"cwd": str(self.workdir)}},
         )
-        await run_request(
-            conn,
-            request,
-            timeout=30.0,
-            interrupt_grace=1.0,
-            output_grace=1.0,
-            max_output_chars=10_000,
-        )
+        await run_internal(conn, request, timeout=30.0)
 
     async def _replace_kernel(self) -> None:
         old, self._conn = self._conn, None
@@ -398,6 +390,3 @@ def _load_state(original: Any, data: Any) -> Any:
         except Exception:
             return data
     return data
-
-
-AsyncCallback = Callable[..., Awaitable[None]]

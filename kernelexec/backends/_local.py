@@ -98,13 +98,6 @@ class LocalConnection(KernelConnection):
     def kernel_id(self) -> str:
         return os.path.basename(self._dir) if self._dir else "(not started)"
 
-    @property
-    def pid(self) -> int | None:
-        """The kernel's process id while it runs."""
-        km = self._km
-        proc = getattr(getattr(km, "provisioner", None), "process", None)
-        return getattr(proc, "pid", None)
-
     async def launch(self, timeout: float) -> None:
         """Start the process in a fresh private directory and wait until it answers."""
         self._start_timeout = timeout
