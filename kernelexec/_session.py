@@ -114,8 +114,8 @@ class AsyncSession:
         request = ExecuteRequest(code=code, user_expressions=_REPORT)
         callbacks = Callbacks(on_stdout, on_stderr, on_display)
         async with self._lock:
-            execution, _ = await self._run(request, timeout, callbacks)
-        return execution
+            fields, _ = await self._run(request, timeout, callbacks)
+        return Execution(**fields)
 
     async def call_tool(
         self,
@@ -170,8 +170,7 @@ class AsyncSession:
             metadata={"kernelexec": spec},
         )
         async with self._lock:
-            execution, result = await self._run(request, timeout, callbacks)
-        fields = execution.model_dump()
+            fields, result = await self._run(request, timeout, callbacks)
         fields["sandbox_config_fingerprint"] = self.fingerprint
         fields["agent_state"] = agent_state
         if result is not None:
@@ -260,7 +259,7 @@ class AsyncSession:
 
     async def _run(
         self, request: ExecuteRequest, timeout: float | None, callbacks: Callbacks
-    ) -> tuple[Execution, dict[str, Any] | None]:
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         self._check_open()
         start = time.monotonic()
         timeout = self._timeout if timeout is None else timeout
@@ -277,11 +276,11 @@ class AsyncSession:
                 assert self._conn is not None
                 conn = self._conn
                 out = await self._send(conn, request, timeout, callbacks)
-            execution, result = await self._finish(out, conn, timeout, lost)
+            fields, result = await self._finish(out, conn, timeout, lost)
         finally:
             self.last_used = time.monotonic()
-        execution.duration_s = time.monotonic() - start
-        return execution, result
+        fields["duration_s"] = time.monotonic() - start
+        return fields, result
 
     async def _send(
         self,
@@ -302,7 +301,7 @@ class AsyncSession:
 
     async def _finish(
         self, out: RunOutcome, conn: KernelConnection, timeout: float, lost: list[str] | None
-    ) -> tuple[Execution, dict[str, Any] | None]:
+    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
         error: ExecError | None = None
         restarted = lost is not None
         lost_names = list(lost or [])
@@ -347,18 +346,19 @@ class AsyncSession:
                     evalue=str(content.get("evalue", "")),
                     traceback=[str(t) for t in content.get("traceback") or []],
                 )
-        execution = Execution(
-            status="error" if error else "success",
-            stdout=out.stdout,
-            stderr=out.stderr,
-            outputs=out.outputs,
-            result=out.result,
-            error=error,
-            execution_count=out.execution_count,
-            kernel_restarted=restarted,
-            lost_variables=sorted(set(lost_names)),
-        )
-        return execution, result
+        # Plain fields, not a model: the caller builds an Execution or a ToolResult once.
+        fields = {
+            "status": "error" if error else "success",
+            "stdout": out.stdout,
+            "stderr": out.stderr,
+            "outputs": out.outputs,
+            "result": out.result,
+            "error": error,
+            "execution_count": out.execution_count,
+            "kernel_restarted": restarted,
+            "lost_variables": sorted(set(lost_names)),
+        }
+        return fields, result
 
 
 def _read_report(reply: dict[str, Any]) -> dict[str, Any] | None:

@@ -39,6 +39,7 @@ class Tool(BaseModel):
 
     _validator: Any = PrivateAttr(default=None)
     _agent_state: bool | None = PrivateAttr(default=None)
+    _digest: str | None = PrivateAttr(default=None)
 
     @field_validator("name")
     @classmethod
@@ -108,7 +109,10 @@ class Tool(BaseModel):
     @property
     def digest(self) -> str:
         """A hash of the source; the kernel redefines the tool when it changes."""
-        return hashlib.sha256(self.source_code.encode()).hexdigest()[:16]
+        if self._digest is None:
+            digest = hashlib.sha256(self.source_code.encode()).hexdigest()[:16]
+            object.__setattr__(self, "_digest", digest)
+        return str(self._digest)
 
     @property
     def takes_agent_state(self) -> bool:
