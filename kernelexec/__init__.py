@@ -14,21 +14,39 @@ from kernelexec._exceptions import (
     ExecutorClosedError,
     KernelExecError,
     KernelStartError,
+    NotebookError,
     PoolExhaustedError,
     ToolDefinitionError,
     ToolSchemaWarning,
 )
 from kernelexec._executor import AsyncKernelExecutor
 from kernelexec._models import DEFAULT_ENV_ALLOWLIST, ExecError, Execution, ToolResult
+from kernelexec._replay import CellDifference, ReplayReport, areplay
 from kernelexec._session import AsyncSession
-from kernelexec._sync import KernelExecutor, Session
+from kernelexec._sync import KernelExecutor, Session, replay
 from kernelexec._tools import Tool
 
 __version__ = "0.1.0"
 
+
+def load_ipython_extension(ipython: object) -> None:
+    """``%load_ext kernelexec``: adds the ``%%tool`` and ``%tool_call`` magics."""
+    from kernelexec._ipython import load
+
+    load(ipython)
+
+
+def unload_ipython_extension(ipython: object) -> None:
+    """``%unload_ext kernelexec``: shuts the magics' sandbox kernel down."""
+    from kernelexec._ipython import unload
+
+    unload(ipython)
+
+
 __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "AsyncKernelExecutor",
     "AsyncSession",
+    "CellDifference",
     "ConfigError",
     "DEFAULT_ENV_ALLOWLIST",
     "ExecError",
@@ -40,11 +58,17 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "KernelExecError",
     "KernelExecutor",
     "KernelStartError",
+    "NotebookError",
     "PoolExhaustedError",
+    "ReplayReport",
     "Session",
     "Tool",
     "ToolDefinitionError",
     "ToolResult",
     "ToolSchemaWarning",
     "__version__",
+    "areplay",
+    "load_ipython_extension",
+    "replay",
+    "unload_ipython_extension",
 ]

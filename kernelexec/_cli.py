@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kernelexec._exceptions import KernelExecError
+from kernelexec._exceptions import ConfigError, KernelExecError
 from kernelexec._models import Execution
 from kernelexec._sync import KernelExecutor
 from kernelexec._tools import Tool
@@ -29,6 +29,9 @@ def _executor_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", default="default", help="agent (session) id")
     p.add_argument("--timeout", type=float, default=None, help="seconds before interrupting")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
+    p.add_argument(
+        "--record", metavar="DIR", default=None, help="record the run in DIR/AGENT.ipynb"
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -53,6 +56,17 @@ def _parser() -> argparse.ArgumentParser:
 
     repl = sub.add_parser("repl", help="an interactive prompt on a persistent kernel")
     repl.add_argument("--agent", default="default")
+    repl.add_argument("--record", metavar="DIR", default=None, help="record to DIR/AGENT.ipynb")
+
+    replay = sub.add_parser("replay", help="re-run a recorded notebook and report differences")
+    replay.add_argument("notebook")
+    replay.add_argument("--timeout", type=float, default=60.0, help="seconds per unrecorded cell")
+    replay.add_argument("--json", action="store_true", help="print the report as JSON only")
+
+    tools = sub.add_parser("tools", help="tools authored in notebooks")
+    tools_sub = tools.add_subparsers(dest="tools_command", required=True)
+    export = tools_sub.add_parser("export", help="print the tools of cells tagged `tool` as JSON")
+    export.add_argument("notebook")
 
     demo = sub.add_parser("demo", help="a scripted stateful agent session")
     demo.add_argument("--calls", type=int, default=200, help="warm calls to time at the end")
@@ -99,16 +113,57 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         raise UsageError(f"--args is not valid JSON: {exc}") from None
     if not isinstance(args, dict):
         raise UsageError("--args must be a JSON object")
-    with KernelExecutor() as ex:
+    with KernelExecutor(**_record_config(ns)) as ex:
         result = ex.call_tool(tool, args, agent_id=ns.agent, timeout=ns.timeout)
+        _report_recording(ex, ns)
     return _print_result(result, ns.json)
 
 
 def _cmd_exec(ns: argparse.Namespace) -> int:
     code = sys.stdin.read() if ns.code == "-" else ns.code
-    with KernelExecutor() as ex:
+    with KernelExecutor(**_record_config(ns)) as ex:
         result = ex.run_code(code, agent_id=ns.agent, timeout=ns.timeout)
+        _report_recording(ex, ns)
     return _print_result(result, ns.json)
+
+
+def _record_config(ns: argparse.Namespace) -> dict[str, Any]:
+    return {"record_dir": ns.record} if getattr(ns, "record", None) else {}
+
+
+def _report_recording(ex: KernelExecutor, ns: argparse.Namespace) -> None:
+    if getattr(ns, "record", None):
+        print(f"recorded to {ex.session(ns.agent).record_path}", file=sys.stderr)
+
+
+def _cmd_replay(ns: argparse.Namespace) -> int:
+    from kernelexec._sync import replay
+
+    print(f"replaying {ns.notebook} in a fresh kernel", file=sys.stderr)
+    report = replay(ns.notebook, default_timeout=ns.timeout)
+    if ns.json:
+        print(report.model_dump_json())
+    else:
+        for diff in report.differences:
+            print(f"cell {diff.index} ({diff.first_line}): outputs differ")
+            if diff.recorded_status != diff.replayed_status:
+                print(f"  status: recorded {diff.recorded_status}, replayed {diff.replayed_status}")
+            for line in diff.diff.splitlines():
+                print(f"  {line}")
+        verdict = "no differences" if report.ok else f"{len(report.differences)} cell(s) differ"
+        print(f"{report.cells_run} cells replayed: {verdict}")
+    return EXIT_OK if report.ok else EXIT_FAILED
+
+
+def _cmd_tools(ns: argparse.Namespace) -> int:
+    from kernelexec._notebook_tools import tools_from_notebook
+
+    tools = tools_from_notebook(ns.notebook)
+    if not tools:
+        print(f"kernelexec: no code cells tagged 'tool' in {ns.notebook}", file=sys.stderr)
+    data = [t.model_dump(mode="json", exclude_none=True) for t in tools]
+    print(json.dumps(data, indent=2, ensure_ascii=False))
+    return EXIT_OK
 
 
 def _cmd_schema(ns: argparse.Namespace) -> int:
@@ -124,7 +179,7 @@ def _cmd_repl(ns: argparse.Namespace) -> int:
     completeness = TransformerManager()  # type: ignore[no-untyped-call]
     prompt: PromptSession[str] = PromptSession(history=InMemoryHistory())
     print("kernelexec repl: a persistent kernel; Ctrl-D to quit.", file=sys.stderr)
-    with KernelExecutor() as ex:
+    with KernelExecutor(**_record_config(ns)) as ex:
         session = ex.session(ns.agent)
         while True:
             lines: list[str] = []
@@ -153,6 +208,8 @@ def main(argv: list[str] | None = None) -> int:
         "exec": _cmd_exec,
         "schema": _cmd_schema,
         "repl": _cmd_repl,
+        "replay": _cmd_replay,
+        "tools": _cmd_tools,
     }
     try:
         if ns.command == "demo":
@@ -160,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
 
             return run_demo(calls=ns.calls)
         return int(handlers[ns.command](ns))
-    except UsageError as exc:
+    except (UsageError, ConfigError) as exc:
+        # ConfigError covers unreadable notebooks and bad --record directories: bad input.
         print(f"kernelexec: {exc}", file=sys.stderr)
         return EXIT_USAGE
     except KernelExecError as exc:

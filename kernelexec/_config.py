@@ -29,6 +29,9 @@ class ExecutorConfig(BaseModel):
         max_result_chars: Largest tool return value, in characters of JSON.
         workdir: Directory under which each session gets its working directory (default: a
             private temporary directory removed on close).
+        record: Record every run of every session as a notebook cell (``Session.notebook``).
+        record_dir: Also save each session's recording to ``<record_dir>/<agent id>.ipynb``
+            after every run (implies ``record``; created if missing).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -45,11 +48,15 @@ class ExecutorConfig(BaseModel):
     max_output_chars: int = Field(1_000_000, ge=100)
     max_result_chars: int = Field(10_000_000, ge=100)
     workdir: Path | None = None
+    record: bool = False
+    record_dir: Path | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ExecutorConfig:
         if self.prewarm > self.max_kernels:
             raise ValueError(f"prewarm ({self.prewarm}) exceeds max_kernels ({self.max_kernels})")
+        if self.record_dir is not None:
+            object.__setattr__(self, "record", True)
         return self
 
 

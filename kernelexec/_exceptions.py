@@ -5,7 +5,8 @@ mean misuse of the API or a broken environment::
 
     KernelExecError
     ├── ConfigError (ValueError)              bad executor or tool configuration
-    │   └── ToolDefinitionError               a Tool could not be built from what was given
+    │   ├── ToolDefinitionError               a Tool could not be built from what was given
+    │   └── NotebookError                     a notebook could not be read or used
     ├── ExecutorClosedError (RuntimeError)    use after close
     ├── PoolExhaustedError (RuntimeError)     every kernel busy and max_kernels reached
     ├── KernelStartError (RuntimeError)       a kernel did not start or become ready
@@ -31,6 +32,10 @@ class ConfigError(KernelExecError, ValueError):
 
 class ToolDefinitionError(ConfigError):
     """A :class:`~kernelexec.Tool` could not be built (no function, unparsable source, ...)."""
+
+
+class NotebookError(ConfigError):
+    """A notebook could not be read, is not valid, or lacks what was asked of it."""
 
 
 class ExecutorClosedError(KernelExecError, RuntimeError):

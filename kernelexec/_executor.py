@@ -15,9 +15,10 @@ from pathlib import Path
 from typing import Any
 
 from kernelexec._config import ExecutorConfig, make_config
-from kernelexec._exceptions import ExecutorClosedError
+from kernelexec._exceptions import ConfigError, ExecutorClosedError
 from kernelexec._models import Execution, ToolResult
 from kernelexec._pool import KernelPool
+from kernelexec._record import SessionRecorder, safe_filename
 from kernelexec._session import AsyncSession
 from kernelexec._tools import Tool
 from kernelexec.backends._base import ExecuteRequest, KernelBackend
@@ -111,6 +112,11 @@ class AsyncKernelExecutor:
         else:
             self._workdir = Path(cfg.workdir)
             self._workdir.mkdir(parents=True, exist_ok=True)
+        if cfg.record_dir is not None:
+            try:
+                os.makedirs(cfg.record_dir, exist_ok=True)
+            except OSError as exc:
+                raise ConfigError(f"record_dir {cfg.record_dir}: {exc.strerror}") from None
         self._pool = KernelPool(
             self.backend,
             env=kernel_env(cfg),
@@ -152,6 +158,12 @@ class AsyncKernelExecutor:
             return existing
         assert self._pool is not None and self._workdir is not None
         cfg = self.config
+        recorder = None
+        if cfg.record:
+            path = None
+            if cfg.record_dir is not None:
+                path = Path(cfg.record_dir) / f"{safe_filename(agent_id)}.ipynb"
+            recorder = SessionRecorder(agent_id, path, self.fingerprint)
         session = AsyncSession(
             agent_id,
             self._pool,
@@ -162,6 +174,7 @@ class AsyncKernelExecutor:
             output_grace=cfg.output_grace,
             max_output_chars=cfg.max_output_chars,
             max_result_chars=cfg.max_result_chars,
+            recorder=recorder,
         )
         self._sessions[agent_id] = session
         return session

@@ -114,10 +114,14 @@ def install() -> None:
 
 
 def configure() -> None:
-    """Apply per-session settings (working directory) sent in the request metadata."""
+    """Apply per-session settings (working directory) sent in the request metadata.
+
+    The report that follows carries the kernel's ``language_info`` (for notebook recordings).
+    """
     cfg = _payload()
     if cfg.get("cwd"):
         os.chdir(cfg["cwd"])
+    _state["result"] = {"language_info": dict(getattr(_ip().kernel, "language_info", {}))}
 
 
 def user_names() -> list[str]:
@@ -207,8 +211,12 @@ def _wrap(value: Any) -> Any:
     return value
 
 
-def call() -> None:
-    """Run the tool call described in the request metadata; the result waits for ``report``."""
+def call() -> Any:
+    """Run the tool call described in the request metadata; the result waits for ``report``.
+
+    When the request asks for ``display`` (a recorded session), the return value is also
+    returned, so that IPython shows it as the cell's result exactly as the recorded call would.
+    """
     _state["result"] = None
     spec = _payload()
     name = spec["name"]
@@ -251,6 +259,7 @@ def call() -> None:
                 f"the {what} is {size} characters as JSON; the limit is {limit}"
             )
     _state["result"] = result
+    return value if spec.get("display") else None
 
 
 def _float(value: float) -> Any:

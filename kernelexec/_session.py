@@ -9,10 +9,12 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from nbformat import NotebookNode
 from pydantic import BaseModel
 
 from kernelexec._exceptions import ExecutorClosedError
 from kernelexec._models import ExecError, Execution, ToolResult
+from kernelexec._record import SessionRecorder, now_iso
 from kernelexec._run import Callbacks, OutputCallback, RunOutcome, run_internal, run_request
 from kernelexec._tools import Tool
 from kernelexec.backends._base import ExecuteRequest, KernelConnection
@@ -62,6 +64,7 @@ class AsyncSession:
         output_grace: float,
         max_output_chars: int,
         max_result_chars: int,
+        recorder: SessionRecorder | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.workdir = workdir
@@ -77,6 +80,7 @@ class AsyncSession:
         self._names: list[str] = []
         self._lost: list[str] | None = None  # state lost outside a run, not yet reported
         self._closed = False
+        self._recorder = recorder
         self.last_used = time.monotonic()
 
     # -- public API -------------------------------------------------------------------------
@@ -85,6 +89,20 @@ class AsyncSession:
     def busy(self) -> bool:
         """True while a call runs or waits to run."""
         return self._lock.locked()
+
+    @property
+    def notebook(self) -> NotebookNode | None:
+        """The session's recording (an nbformat v4 notebook), or None when not recording.
+
+        Every run is a code cell with its outputs; a tool call is its definition cell (once per
+        version of its source) and a call cell such as ``add(a=1, b=2)``.
+        """
+        return self._recorder.notebook if self._recorder is not None else None
+
+    @property
+    def record_path(self) -> Path | None:
+        """The file the recording is saved to after every run (None: not saved)."""
+        return self._recorder.path if self._recorder is not None else None
 
     @property
     def has_kernel(self) -> bool:
@@ -114,7 +132,11 @@ class AsyncSession:
         request = ExecuteRequest(code=code, user_expressions=_REPORT)
         callbacks = Callbacks(on_stdout, on_stderr, on_display)
         async with self._lock:
+            started = now_iso()
             fields, _ = await self._run(request, timeout, callbacks)
+            if self._recorder is not None:
+                self._recorder.add_code(code, fields, started, fields["timeout_s"])
+                await self._save()
         return Execution(**fields)
 
     async def call_tool(
@@ -152,7 +174,19 @@ class AsyncSession:
             problems.append("env_vars must map str to str")
         if problems:
             self._check_open()
-            return self._invalid_args(problems, agent_state)
+            rejected = self._invalid_args(problems, agent_state)
+            if self._recorder is not None:
+                async with self._lock:
+                    fields: dict[str, Any] = {
+                        "status": "error",
+                        "error": rejected.error,
+                        "outputs": [],
+                    }
+                    self._recorder.add_tool_call(
+                        tool, args, fields, now_iso(), timeout or self._timeout, agent_state
+                    )
+                    await self._save()
+            return rejected
         spec: dict[str, Any] = {
             "name": tool.name,
             "digest": tool.digest,
@@ -163,6 +197,8 @@ class AsyncSession:
         }
         if tool.takes_agent_state:
             spec["agent_state"] = _dump_state(agent_state)
+        if self._recorder is not None:
+            spec["display"] = True
         callbacks = Callbacks(on_stdout, on_stderr, on_display)
         request = ExecuteRequest(
             code=f"{_MODULE}.call()",
@@ -170,13 +206,25 @@ class AsyncSession:
             metadata={"kernelexec": spec},
         )
         async with self._lock:
+            started = now_iso()
             fields, result = await self._run(request, timeout, callbacks)
-        fields["sandbox_config_fingerprint"] = self.fingerprint
-        fields["agent_state"] = agent_state
-        if result is not None:
-            fields["func_return"] = result.get("return")
-            if "agent_state" in result:
-                fields["agent_state"] = _load_state(agent_state, result["agent_state"])
+            fields["sandbox_config_fingerprint"] = self.fingerprint
+            fields["agent_state"] = agent_state
+            if result is not None:
+                fields["func_return"] = result.get("return")
+                if "agent_state" in result:
+                    fields["agent_state"] = _load_state(agent_state, result["agent_state"])
+            if self._recorder is not None:
+                self._recorder.add_tool_call(
+                    tool, args, fields, started, fields["timeout_s"], agent_state
+                )
+                await self._save()
+                # The return value was displayed only for the notebook; the result is the same
+                # whether or not the session records.
+                fields["outputs"] = [
+                    o for o in fields["outputs"] if o.get("output_type") != "execute_result"
+                ]
+                fields["result"] = None
         return ToolResult(**fields)
 
     async def interrupt(self) -> None:
@@ -213,6 +261,11 @@ class AsyncSession:
 
     # -- internals ---------------------------------------------------------------------------
 
+    async def _save(self) -> None:
+        assert self._recorder is not None
+        # Off the event loop (other sessions keep running), still under this session's lock.
+        await asyncio.to_thread(self._recorder.save)
+
     def _check_open(self) -> None:
         if self._closed:
             raise ExecutorClosedError(f"session {self.agent_id!r} is closed")
@@ -247,8 +300,13 @@ class AsyncSession:
             silent=True,
             store_history=False,
             metadata={"kernelexec": {"cwd": str(self.workdir)}},
+            user_expressions=_REPORT,
         )
-        await run_internal(conn, request, timeout=30.0)
+        out = await run_internal(conn, request, timeout=30.0)
+        if self._recorder is not None:
+            report = _read_report(out.reply or {}) or {}
+            info = (report.get("result") or {}).get("language_info")
+            self._recorder.kernel_started(info if isinstance(info, dict) else None)
 
     async def _replace_kernel(self) -> None:
         old, self._conn = self._conn, None
@@ -276,10 +334,13 @@ class AsyncSession:
                 assert self._conn is not None
                 conn = self._conn
                 out = await self._send(conn, request, timeout, callbacks)
+            generation = self._recorder.generation if self._recorder is not None else 0
             fields, result = await self._finish(out, conn, timeout, lost)
         finally:
             self.last_used = time.monotonic()
         fields["duration_s"] = time.monotonic() - start
+        fields["timeout_s"] = timeout
+        fields["kernel_generation"] = generation
         return fields, result
 
     async def _send(

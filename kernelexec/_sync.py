@@ -11,6 +11,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Coroutine
 from contextlib import AbstractContextManager
+from pathlib import Path
 from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
@@ -18,6 +19,7 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from kernelexec._exceptions import ExecutorClosedError
 from kernelexec._executor import DEFAULT_AGENT, AsyncKernelExecutor
 from kernelexec._models import Execution, ToolResult
+from kernelexec._replay import ReplayReport, areplay
 from kernelexec._session import AsyncSession
 from kernelexec._tools import Tool
 
@@ -66,6 +68,16 @@ class Session:
     def workdir(self) -> Any:
         """The session's working directory (a ``pathlib.Path``)."""
         return self._inner.workdir
+
+    @property
+    def notebook(self) -> Any:
+        """The session's recording (an nbformat ``NotebookNode``), or None when not recording."""
+        return self._inner.notebook
+
+    @property
+    def record_path(self) -> Any:
+        """The file the recording is saved to after every run (a ``Path``), or None."""
+        return self._inner.record_path
 
     def run_code(self, code: str, **kwargs: Any) -> Execution:
         """Run code in the session's kernel; see :meth:`AsyncSession.run_code`."""
@@ -145,3 +157,12 @@ class KernelExecutor:
     def close(self) -> None:
         """Shut down every kernel, remove temporary files and stop the loop thread."""
         self._finalizer()
+
+
+def replay(path: str | Path, **kwargs: Any) -> ReplayReport:
+    """Blocking :func:`~kernelexec.areplay`: re-run a recorded notebook and compare outputs."""
+    portal = _Portal()
+    try:
+        return portal.call(areplay, path, **kwargs)
+    finally:
+        portal.stop()

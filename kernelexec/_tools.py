@@ -8,6 +8,7 @@ import inspect
 import textwrap
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jsonschema
@@ -100,6 +101,20 @@ class Tool(BaseModel):
         for note in notes:
             warnings.warn(note, ToolSchemaWarning, stacklevel=2)
         return cls(name=name, source_code=source, json_schema=schema, **kwargs)
+
+    @classmethod
+    def from_notebook(cls, path: str | Path) -> list[Tool]:
+        """The tools defined in a notebook's code cells tagged ``tool``, one public function each.
+
+        A cell may start with the ``%%tool`` magic line; its requirements come from the cell
+        metadata ``kernelexec.pip_requirements`` or ``# requirements: a, b`` comment lines.
+
+        Raises:
+            NotebookError: the notebook is unreadable or a tagged cell is not a valid tool.
+        """
+        from kernelexec._notebook_tools import tools_from_notebook
+
+        return tools_from_notebook(path)
 
     @property
     def description(self) -> str:

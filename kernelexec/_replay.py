@@ -1,0 +1,173 @@
+"""Replaying a recorded notebook in a fresh kernel and reporting which outputs differ."""
+
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, Field
+
+from kernelexec._executor import AsyncKernelExecutor
+from kernelexec._record import KEY, read_notebook
+
+_VOLATILE = [
+    (re.compile(r"0x[0-9a-fA-F]{4,}"), "0x…"),
+    (
+        re.compile(r"\d{4}-\d\d-\d\d[T ]\d\d:\d\d:\d\d(?:\.\d+)?(?:Z|[+-]\d\d:?\d\d)?"),
+        "<timestamp>",
+    ),
+    (re.compile(r"\b\d+(?:\.\d+)?\s?(?:ns|µs|us|ms|s|sec|seconds)\b"), "<duration>"),
+]
+_ANSI = re.compile(r"\x1b\[[0-9;]*[A-Za-z]")
+_MAX_DIFF_LINES = 24
+
+
+class CellDifference(BaseModel):
+    """A cell whose replayed outputs differ from the recorded ones.
+
+    Attributes:
+        index: The cell's index in the notebook (0-based, markdown cells counted).
+        first_line: The first line of the cell's source, to find it by eye.
+        recorded_status: ``success``/``error`` as recorded (``None`` when not recorded).
+        replayed_status: ``success``/``error`` in the replay.
+        diff: A short unified diff of the normalised outputs (recorded, then replayed).
+    """
+
+    index: int
+    first_line: str
+    recorded_status: str | None
+    replayed_status: str
+    diff: str
+
+
+class ReplayReport(BaseModel):
+    """What :func:`replay` found.
+
+    Attributes:
+        notebook: The replayed file.
+        cells_run: Code cells executed.
+        differences: One entry per cell whose outputs (or status) differ.
+    """
+
+    notebook: str
+    cells_run: int = 0
+    differences: list[CellDifference] = Field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """True when every cell replayed with the recorded outputs."""
+        return not self.differences
+
+
+def normalise(text: str) -> str:
+    """Text with the parts that change between runs (addresses, timestamps, timings) masked."""
+    text = _ANSI.sub("", text)
+    for pattern, repl in _VOLATILE:
+        text = pattern.sub(repl, text)
+    return text
+
+
+def _text(value: Any) -> str:
+    return "".join(value) if isinstance(value, list) else str(value)
+
+
+def output_lines(outputs: list[Any]) -> list[str]:
+    """Outputs as comparable lines: stream text, text-like data, and error name and message.
+
+    Tracebacks are left out (their frames differ between a tool call and its replayed cell);
+    binary data (images) counts only by type.
+    """
+    lines: list[str] = []
+    streams: dict[str, str] = {}
+    order: list[str] = []
+
+    def flush() -> None:
+        for name in order:
+            lines.extend(f"[{name}] {line}" for line in normalise(streams[name]).splitlines())
+        streams.clear()
+        order.clear()
+
+    for out in outputs:
+        kind = out.get("output_type")
+        if kind == "stream":
+            name = str(out.get("name", "stdout"))
+            if name not in streams:
+                order.append(name)
+                streams[name] = ""
+            streams[name] += _text(out.get("text", ""))
+            continue
+        flush()
+        if kind in ("execute_result", "display_data"):
+            for mime, value in sorted((out.get("data") or {}).items()):
+                if mime.startswith("text/") or mime.endswith("json"):
+                    body = value if isinstance(value, str | list) else repr(value)
+                    lines.extend(f"[{mime}] {line}" for line in normalise(_text(body)).splitlines())
+                else:
+                    lines.append(f"[{mime}] <binary>")
+        elif kind == "error":
+            lines.append(normalise(f"[error] {out.get('ename')}: {out.get('evalue')}"))
+    flush()
+    return lines
+
+
+async def areplay(
+    path: str | Path, *, default_timeout: float = 60.0, **config: Any
+) -> ReplayReport:
+    """Run a notebook's code cells top to bottom in a fresh kernel and compare the outputs.
+
+    Cells recorded by kernelexec are re-run with the timeout they had, and the kernel is
+    restarted where the recorded session got a fresh kernel, so a recorded timeout or lost
+    state replays as it happened. Calls that were rejected before running are skipped.
+
+    Args:
+        path: The notebook.
+        default_timeout: Seconds allowed for a cell that has no recorded timeout.
+        **config: Other :class:`~kernelexec.ExecutorConfig` fields for the replay's executor.
+
+    Raises:
+        NotebookError: the file is missing or not a valid notebook.
+    """
+    nb = read_notebook(path)
+    report = ReplayReport(notebook=str(path))
+    async with AsyncKernelExecutor(default_timeout=default_timeout, **config) as ex:
+        session = await ex.session("replay")
+        ran = False
+        for index, cell in enumerate(nb.cells):
+            if cell.cell_type != "code":
+                continue
+            meta = cell.metadata.get(KEY) or {}
+            if meta.get("status") == "rejected":
+                continue
+            if meta.get("fresh_kernel") and ran:
+                await session.restart()
+            timeout = meta.get("timeout_s") or default_timeout
+            result = await session.run_code(cell.source, timeout=float(timeout))
+            ran = True
+            report.cells_run += 1
+            recorded = output_lines(cell.outputs)
+            replayed = output_lines(result.outputs)
+            recorded_status = meta.get("status")
+            status_differs = recorded_status is not None and recorded_status != result.status
+            if recorded == replayed and not status_differs:
+                continue
+            diff = list(
+                difflib.unified_diff(recorded, replayed, "recorded", "replayed", lineterm="", n=1)
+            )
+            if status_differs and not diff:
+                diff = [f"status: recorded {recorded_status}, replayed {result.status}"]
+            if len(diff) > _MAX_DIFF_LINES:
+                more = len(diff) - _MAX_DIFF_LINES
+                diff = [*diff[:_MAX_DIFF_LINES], f"... {more} more lines"]
+            first = cell.source.strip().splitlines()[0] if cell.source.strip() else ""
+            report.differences.append(
+                CellDifference(
+                    index=index,
+                    first_line=first[:120],
+                    recorded_status=recorded_status,
+                    replayed_status=result.status,
+                    diff="\n".join(diff),
+                )
+            )
+    return report
