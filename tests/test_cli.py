@@ -125,3 +125,52 @@ def test_repl_keeps_state_across_inputs() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "42" in proc.stdout
+
+
+def test_record_then_replay(tool_file: Path, tmp_path: Path) -> None:
+    rec = tmp_path / "rec"
+    proc = kernelexec(
+        "run", str(tool_file), "--args", '{"name": "Ada"}', "--record", str(rec), "--agent", "a1"
+    )
+    assert proc.returncode == 0, proc.stderr
+    notebook = rec / "a1.ipynb"
+    assert f"recorded to {notebook}" in proc.stderr
+    assert proc.stdout == 'greeting Ada\n"hello Ada"\n'
+
+    proc = kernelexec("replay", str(notebook))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert proc.stdout == "2 cells replayed: no differences\n"
+
+    text = notebook.read_text().replace('\\"hello \\" + name', '\\"bye \\" + name')
+    assert text != notebook.read_text()
+    notebook.write_text(text)
+    proc = kernelexec("replay", str(notebook))
+    assert proc.returncode == 1
+    lines = proc.stdout.splitlines()
+    assert lines[0] == "cell 1 (greet(name='Ada')): outputs differ"
+    assert "  -[text/plain] 'hello Ada'" in lines and "  +[text/plain] 'bye Ada'" in lines
+    assert lines[-1] == "2 cells replayed: 1 cell(s) differ"
+
+    proc = kernelexec("replay", str(notebook), "--json")
+    assert proc.returncode == 1
+    report = json.loads(proc.stdout)
+    assert [d["index"] for d in report["differences"]] == [1]
+
+
+@pytest.mark.parametrize("content", [None, "{broken", '{"cells": 3}'])
+def test_replay_of_a_bad_notebook_exits_2(tmp_path: Path, content: str | None) -> None:
+    path = tmp_path / "nb.ipynb"
+    if content is not None:
+        path.write_text(content)
+    proc = kernelexec("replay", str(path))
+    assert proc.returncode == 2
+    assert proc.stdout == ""
+    assert str(path) in proc.stderr
+
+
+def test_exec_record_dir_that_is_a_file_exits_2(tmp_path: Path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("")
+    proc = kernelexec("exec", "1", "--record", str(blocker))
+    assert proc.returncode == 2
+    assert "record_dir" in proc.stderr
