@@ -7,8 +7,10 @@ The async core is :class:`AsyncKernelExecutor` / :class:`AsyncSession`; :class:`
 """
 
 from kernelexec._config import ExecutorConfig
+from kernelexec._envs import BuiltEnv, EnvBuilder, EnvProgress, LocalEnv, VenvEnv
 from kernelexec._exceptions import (
     ConfigError,
+    EnvSetupError,
     ExecutionError,
     ExecutionTimeout,
     ExecutorClosedError,
@@ -46,9 +48,13 @@ def unload_ipython_extension(ipython: object) -> None:
 __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "AsyncKernelExecutor",
     "AsyncSession",
+    "BuiltEnv",
     "CellDifference",
     "ConfigError",
     "DEFAULT_ENV_ALLOWLIST",
+    "EnvBuilder",
+    "EnvProgress",
+    "EnvSetupError",
     "ExecError",
     "Execution",
     "ExecutionError",
@@ -58,6 +64,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "KernelExecError",
     "KernelExecutor",
     "KernelStartError",
+    "LocalEnv",
     "NotebookError",
     "PoolExhaustedError",
     "ReplayReport",
@@ -66,6 +73,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "ToolDefinitionError",
     "ToolResult",
     "ToolSchemaWarning",
+    "VenvEnv",
     "__version__",
     "areplay",
     "load_ipython_extension",

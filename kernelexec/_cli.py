@@ -8,13 +8,16 @@ only the JSON document; progress and diagnostics go to stderr.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import sys
 from pathlib import Path
 from typing import Any
 
+from kernelexec._envs import EnvBuilder, VenvEnv, default_cache_dir, list_envs, prune_envs
 from kernelexec._exceptions import ConfigError, KernelExecError
 from kernelexec._models import Execution
+from kernelexec._progress import ProgressDisplay
 from kernelexec._sync import KernelExecutor
 from kernelexec._tools import Tool
 
@@ -32,6 +35,20 @@ def _executor_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--record", metavar="DIR", default=None, help="record the run in DIR/AGENT.ipynb"
     )
+    _env_options(p)
+
+
+def _env_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--requirement",
+        "-r",
+        action="append",
+        default=None,
+        metavar="REQ",
+        help="run in a venv with this requirement (repeatable)",
+    )
+    p.add_argument("--python", default=None, help="interpreter the venv is built from")
+    p.add_argument("--cache-dir", default=None, help="where venvs are built")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -57,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     repl = sub.add_parser("repl", help="an interactive prompt on a persistent kernel")
     repl.add_argument("--agent", default="default")
     repl.add_argument("--record", metavar="DIR", default=None, help="record to DIR/AGENT.ipynb")
+    _env_options(repl)
 
     replay = sub.add_parser("replay", help="re-run a recorded notebook and report differences")
     replay.add_argument("notebook")
@@ -67,6 +85,23 @@ def _parser() -> argparse.ArgumentParser:
     tools_sub = tools.add_subparsers(dest="tools_command", required=True)
     export = tools_sub.add_parser("export", help="print the tools of cells tagged `tool` as JSON")
     export.add_argument("notebook")
+
+    env = sub.add_parser("env", help="the cached virtual environments")
+    env_sub = env.add_subparsers(dest="env_command", required=True)
+    env_list = env_sub.add_parser("list", help="list the cached venvs")
+    env_list.add_argument("--cache-dir", default=None)
+    env_list.add_argument("--json", action="store_true")
+    env_prune = env_sub.add_parser("prune", help="remove cached venvs")
+    env_prune.add_argument("--older-than", type=float, default=30.0, metavar="DAYS")
+    env_prune.add_argument("--all", action="store_true", help="remove every cached venv")
+    env_prune.add_argument("--cache-dir", default=None)
+    env_prune.add_argument("--json", action="store_true")
+    env_build = env_sub.add_parser("build", help="build (or reuse) the venv for requirements")
+    env_build.add_argument("requirements", nargs="*", metavar="REQ")
+    env_build.add_argument("--python", default=None)
+    env_build.add_argument("--installer", choices=["auto", "uv", "pip"], default="auto")
+    env_build.add_argument("--cache-dir", default=None)
+    env_build.add_argument("--json", action="store_true")
 
     demo = sub.add_parser("demo", help="a scripted stateful agent session")
     demo.add_argument("--calls", type=int, default=200, help="warm calls to time at the end")
@@ -128,7 +163,58 @@ def _cmd_exec(ns: argparse.Namespace) -> int:
 
 
 def _record_config(ns: argparse.Namespace) -> dict[str, Any]:
-    return {"record_dir": ns.record} if getattr(ns, "record", None) else {}
+    config: dict[str, Any] = {"record_dir": ns.record} if getattr(ns, "record", None) else {}
+    if getattr(ns, "cache_dir", None):
+        config["cache_dir"] = ns.cache_dir
+    if getattr(ns, "requirement", None) or getattr(ns, "python", None):
+        config["env"] = _venv(ns.requirement or [], ns.python)
+    config["on_progress"] = ProgressDisplay()
+    return config
+
+
+def _venv(requirements: list[str], python: str | None) -> VenvEnv:
+    try:
+        return VenvEnv(requirements=tuple(requirements), python=python)
+    except ValueError as exc:
+        raise UsageError(f"bad requirement: {exc}") from None
+
+
+def _cmd_env(ns: argparse.Namespace) -> int:
+    cache = Path(ns.cache_dir) if ns.cache_dir else default_cache_dir()
+    if ns.env_command == "list":
+        envs = list_envs(cache)
+        if ns.json:
+            print(json.dumps(envs, indent=2))
+        elif not envs:
+            print(f"no venvs in {cache / 'envs'}", file=sys.stderr)
+        for info in [] if ns.json else envs:
+            reqs = ", ".join(info.get("requirements") or []) or "(ipykernel only)"
+            print(
+                f"{info['fingerprint']}  py{info.get('python_version', '?')}  "
+                f"last used {info['last_used']}  {reqs}"
+            )
+        return EXIT_OK
+    if ns.env_command == "prune":
+        older = None if ns.all else ns.older_than * 86400
+        removed = prune_envs(cache, older)
+        if ns.json:
+            print(json.dumps({"removed": removed}))
+        else:
+            for path in removed:
+                print(f"removed {path}")
+            print(f"{len(removed)} removed", file=sys.stderr)
+        return EXIT_OK
+    env = _venv(ns.requirements, ns.python)
+    builder = EnvBuilder(cache, ns.installer, ProgressDisplay())
+    built = asyncio.run(builder.ensure(env))
+    if ns.json:
+        print(built.model_dump_json())
+    else:
+        print(
+            f"{built.fingerprint}  {built.path}  ({'built' if built.built else 'reused'} "
+            f"in {built.seconds:.1f} s)"
+        )
+    return EXIT_OK
 
 
 def _report_recording(ex: KernelExecutor, ns: argparse.Namespace) -> None:
@@ -210,6 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "repl": _cmd_repl,
         "replay": _cmd_replay,
         "tools": _cmd_tools,
+        "env": _cmd_env,
     }
     try:
         if ns.command == "demo":

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from kernelexec._envs import Env, LocalEnv
 from kernelexec._exceptions import ConfigError
 from kernelexec._models import DEFAULT_ENV_ALLOWLIST
 
@@ -30,6 +32,11 @@ class ExecutorConfig(BaseModel):
         workdir: Directory under which each session gets its working directory (default: a
             private temporary directory removed on close).
         record: Record every run of every session as a notebook cell (``Session.notebook``).
+        env: The default environment: ``LocalEnv()`` (this interpreter) or a ``VenvEnv``.
+        cache_dir: Where virtual environments are built (default: ``$KERNELEXEC_CACHE_DIR``,
+            else the platform's user cache directory).
+        installer: How venvs are built: ``"auto"`` (uv when available, else venv + pip),
+            ``"uv"`` or ``"pip"``.
         record_dir: Also save each session's recording to ``<record_dir>/<agent id>.ipynb``
             after every run (implies ``record``; created if missing).
     """
@@ -49,6 +56,9 @@ class ExecutorConfig(BaseModel):
     max_result_chars: int = Field(10_000_000, ge=100)
     workdir: Path | None = None
     record: bool = False
+    env: Env = Field(default_factory=LocalEnv)
+    cache_dir: Path | None = None
+    installer: Literal["auto", "uv", "pip"] = "auto"
     record_dir: Path | None = None
 
     @model_validator(mode="after")

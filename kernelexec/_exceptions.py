@@ -10,6 +10,7 @@ mean misuse of the API or a broken environment::
     ├── ExecutorClosedError (RuntimeError)    use after close
     ├── PoolExhaustedError (RuntimeError)     every kernel busy and max_kernels reached
     ├── KernelStartError (RuntimeError)       a kernel did not start or become ready
+    ├── EnvSetupError (RuntimeError)          a virtual environment could not be built
     └── ExecutionError                        raised on demand by Execution.raise_for_error()
         └── ExecutionTimeout (TimeoutError)   ... when the run timed out
 """
@@ -48,6 +49,14 @@ class PoolExhaustedError(KernelExecError, RuntimeError):
 
 class KernelStartError(KernelExecError, RuntimeError):
     """A kernel failed to start or did not become ready in time."""
+
+
+class EnvSetupError(KernelExecError, RuntimeError):
+    """Building a virtual environment failed; the message ends with the installer's output.
+
+    Calls do not raise it: their result has ``error.kind == "env_setup_failed"``. It is raised by
+    the methods that only build (``warm_up(env)``, ``EnvBuilder.ensure``).
+    """
 
 
 class ExecutionError(KernelExecError):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelexec._config import ExecutorConfig, make_config
+from kernelexec._envs import EnvBuilder, LocalEnv, ProgressCallback, VenvEnv
 from kernelexec._exceptions import ConfigError, ExecutorClosedError
 from kernelexec._models import Execution, ToolResult
 from kernelexec._pool import KernelPool
@@ -79,18 +80,44 @@ class AsyncKernelExecutor:
         ConfigError: a configuration value is invalid (the message names it).
     """
 
-    def __init__(self, *, backend: KernelBackend | None = None, **config: Any) -> None:
+    def __init__(
+        self,
+        *,
+        backend: KernelBackend | None = None,
+        on_progress: ProgressCallback | None = None,
+        **config: Any,
+    ) -> None:
         self.config = make_config(**config)
+        if backend is not None and isinstance(self.config.env, VenvEnv):
+            raise ConfigError("env=VenvEnv(...) needs the local backend; do not pass backend=")
         self.backend = backend or LocalBackend()
+        self.builder = EnvBuilder(self.config.cache_dir, self.config.installer, on_progress)
         self._state = _State.UNOPENED
-        self._sessions: dict[str, AsyncSession] = {}
+        self._sessions: dict[tuple[str, str], AsyncSession] = {}
         self._dirs_used: set[str] = set()
-        self._pool: KernelPool | None = None
+        self._pools: dict[str, KernelPool] = {}
+        self._pool_locks: dict[str, asyncio.Lock] = {}
         self._own_workdir = False
         self._workdir: Path | None = None
-        self.fingerprint = hashlib.sha256(
-            f"{self.backend.describe()}|{sys.version}".encode()
-        ).hexdigest()[:16]
+        if backend is None:
+            self._local_fingerprint = LocalEnv().fingerprint
+        else:
+            text = f"{self.backend.describe()}|{sys.version}"
+            self._local_fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    @property
+    def env(self) -> LocalEnv | VenvEnv:
+        """The default environment of sessions and calls."""
+        return self.config.env
+
+    @property
+    def fingerprint(self) -> str:
+        """The default environment's fingerprint (``ToolResult.sandbox_config_fingerprint``)."""
+        return self.fingerprint_of(self.env)
+
+    def fingerprint_of(self, env: LocalEnv | VenvEnv) -> str:
+        """The fingerprint of ``env`` as this executor runs it."""
+        return self._local_fingerprint if isinstance(env, LocalEnv) else env.fingerprint
 
     async def __aenter__(self) -> AsyncKernelExecutor:
         await self.start()
@@ -117,58 +144,121 @@ class AsyncKernelExecutor:
                 os.makedirs(cfg.record_dir, exist_ok=True)
             except OSError as exc:
                 raise ConfigError(f"record_dir {cfg.record_dir}: {exc.strerror}") from None
-        self._pool = KernelPool(
-            self.backend,
+        self._state = _State.OPEN
+        if isinstance(cfg.env, LocalEnv):
+            self._new_pool(self.fingerprint, self.backend, cfg.prewarm)
+
+    def _new_pool(self, fingerprint: str, backend: KernelBackend, prewarm: int) -> KernelPool:
+        cfg = self.config
+        pool = KernelPool(
+            backend,
             env=kernel_env(cfg),
             bootstrap=_bootstrap_request(cfg.max_output_chars),
             max_kernels=cfg.max_kernels,
-            prewarm=cfg.prewarm,
+            prewarm=prewarm,
             start_timeout=cfg.start_timeout,
             idle_timeout=cfg.idle_timeout,
             sessions=lambda: list(self._sessions.values()),
+            total=lambda: self.kernel_count,
         )
-        self._state = _State.OPEN
-        self._pool.open()
+        self._pools[fingerprint] = pool
+        pool.open()
+        return pool
 
-    async def warm_up(self) -> None:
-        """Wait until the ``prewarm`` kernels are started and ready."""
+    async def _pool_for(self, env: LocalEnv | VenvEnv, prewarm: int | None = None) -> KernelPool:
+        """The pool of kernels for ``env``, building its venv first if needed."""
+        fingerprint = self.fingerprint_of(env)
+        pool = self._pools.get(fingerprint)
+        if pool is not None:
+            return pool
+        async with self._pool_locks.setdefault(fingerprint, asyncio.Lock()):
+            pool = self._pools.get(fingerprint)
+            if pool is not None:
+                return pool
+            if isinstance(env, LocalEnv):
+                backend: KernelBackend = self.backend
+            else:
+                built = await self.builder.ensure(env)
+                backend = LocalBackend(python=str(built.python))
+            if self._state is not _State.OPEN:
+                raise ExecutorClosedError("the executor is closed")
+            if prewarm is None:
+                prewarm = self.config.prewarm if env == self.env else 0
+            return self._new_pool(fingerprint, backend, prewarm)
+
+    async def warm_up(self, env: LocalEnv | VenvEnv | None = None) -> None:
+        """Get ``env`` (default: the executor's) ready ahead of need: build its venv if needed
+        and wait until its ``prewarm`` kernels are started.
+
+        Raises:
+            EnvSetupError: the venv could not be built.
+        """
         await self.start()
-        assert self._pool is not None
-        await self._pool.wait_warm()
+        pool = await self._pool_for(env or self.env, self.config.prewarm)
+        await pool.wait_warm()
 
     @property
     def sessions(self) -> dict[str, AsyncSession]:
-        """The open sessions by agent id (a copy)."""
-        return dict(self._sessions)
+        """The open sessions of the default environment by agent id (a copy)."""
+        default = self.fingerprint
+        return {agent: s for (agent, fp), s in self._sessions.items() if fp == default}
 
     @property
     def kernel_count(self) -> int:
-        """Kernels alive or starting, prewarmed ones included."""
-        return self._pool.size if self._pool else 0
+        """Kernels alive or starting, prewarmed ones included, over every environment."""
+        return sum(pool.size for pool in self._pools.values())
 
-    async def session(self, agent_id: str = DEFAULT_AGENT) -> AsyncSession:
-        """The session of ``agent_id``, created on first use (its kernel starts lazily)."""
+    def env_for(
+        self, tool: Tool | None, env: LocalEnv | VenvEnv | None = None
+    ) -> LocalEnv | VenvEnv:
+        """The environment a call runs in: ``env`` if given; for a tool with
+        ``pip_requirements``, a venv with exactly those (built from the default env's
+        interpreter); else the executor's default."""
+        if env is not None:
+            return env
+        if tool is not None and tool.pip_requirements:
+            python = self.env.python if isinstance(self.env, VenvEnv) else None
+            try:
+                return VenvEnv(requirements=tuple(tool.pip_requirements), python=python)
+            except ValueError as exc:
+                raise ConfigError(f"tool {tool.name!r}: bad pip_requirements: {exc}") from None
+        return self.env
+
+    async def session(
+        self, agent_id: str = DEFAULT_AGENT, env: LocalEnv | VenvEnv | None = None
+    ) -> AsyncSession:
+        """The session of ``agent_id`` in ``env`` (default: the executor's), created on first
+        use; its kernel (and venv) are made lazily. One agent has one session per environment."""
         if not isinstance(agent_id, str) or not agent_id:
             raise TypeError("agent_id must be a non-empty str")
+        if env is not None and not isinstance(env, LocalEnv | VenvEnv):
+            raise TypeError(f"env must be a LocalEnv or VenvEnv, not {type(env).__name__}")
+        if isinstance(env, VenvEnv) and not isinstance(self.backend, LocalBackend):
+            raise ConfigError("a VenvEnv needs the local backend")
         await self.start()
         if self._state is not _State.OPEN:
             raise ExecutorClosedError("the executor is closed")
-        existing = self._sessions.get(agent_id)
+        env = env or self.env
+        fingerprint = self.fingerprint_of(env)
+        existing = self._sessions.get((agent_id, fingerprint))
         if existing is not None:
             return existing
-        assert self._pool is not None and self._workdir is not None
+        assert self._workdir is not None
         cfg = self.config
         recorder = None
         if cfg.record:
             path = None
             if cfg.record_dir is not None:
-                path = Path(cfg.record_dir) / f"{safe_filename(agent_id)}.ipynb"
-            recorder = SessionRecorder(agent_id, path, self.fingerprint)
+                name = safe_filename(agent_id)
+                if env != self.env:
+                    name = f"{name}@{fingerprint[:8]}"
+                path = Path(cfg.record_dir) / f"{name}.ipynb"
+            recorder = SessionRecorder(agent_id, path, fingerprint, env.model_dump(mode="json"))
         session = AsyncSession(
             agent_id,
-            self._pool,
+            lambda: self._pool_for(env),
             self._session_dir(agent_id),
-            fingerprint=self.fingerprint,
+            fingerprint=fingerprint,
             default_timeout=cfg.default_timeout,
             interrupt_grace=cfg.interrupt_grace,
             output_grace=cfg.output_grace,
@@ -176,7 +266,7 @@ class AsyncKernelExecutor:
             max_result_chars=cfg.max_result_chars,
             recorder=recorder,
         )
-        self._sessions[agent_id] = session
+        self._sessions[(agent_id, fingerprint)] = session
         return session
 
     def _session_dir(self, agent_id: str) -> Path:
@@ -197,15 +287,30 @@ class AsyncKernelExecutor:
         args: dict[str, Any] | None = None,
         *,
         agent_id: str | None = None,
+        env: LocalEnv | VenvEnv | None = None,
         **kwargs: Any,
     ) -> ToolResult:
-        """Call a tool in the session of ``agent_id``; see :meth:`AsyncSession.call_tool`."""
-        session = await self.session(agent_id or DEFAULT_AGENT)
+        """Call a tool in the session of ``agent_id``; see :meth:`AsyncSession.call_tool`.
+
+        The call runs in ``env`` if given, else (for a tool with ``pip_requirements``) in the
+        venv for those requirements, else in the executor's default environment.
+        """
+        if not isinstance(tool, Tool):
+            raise TypeError(f"tool must be a kernelexec.Tool, not {type(tool).__name__}")
+        session = await self.session(agent_id or DEFAULT_AGENT, self.env_for(tool, env))
         return await session.call_tool(tool, args, **kwargs)
 
-    async def run_code(self, code: str, *, agent_id: str | None = None, **kwargs: Any) -> Execution:
-        """Run code in the session of ``agent_id``; see :meth:`AsyncSession.run_code`."""
-        session = await self.session(agent_id or DEFAULT_AGENT)
+    async def run_code(
+        self,
+        code: str,
+        *,
+        agent_id: str | None = None,
+        env: LocalEnv | VenvEnv | None = None,
+        **kwargs: Any,
+    ) -> Execution:
+        """Run code in the session of ``agent_id`` (in ``env``, default: the executor's);
+        see :meth:`AsyncSession.run_code`."""
+        session = await self.session(agent_id or DEFAULT_AGENT, env)
         return await session.run_code(code, **kwargs)
 
     async def aclose(self) -> None:
@@ -217,7 +322,8 @@ class AsyncKernelExecutor:
         self._sessions.clear()
         for session in sessions:
             session._closed = True
-        if self._pool is not None:
-            await asyncio.shield(self._pool.aclose())
+        pools = list(self._pools.values())
+        self._pools.clear()
+        await asyncio.shield(asyncio.gather(*(p.aclose() for p in pools)))
         if self._own_workdir and self._workdir is not None:
             shutil.rmtree(self._workdir, ignore_errors=True)

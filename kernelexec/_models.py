@@ -12,7 +12,9 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kernelexec._exceptions import ExecutionError, ExecutionTimeout
 
-ErrorKind = Literal["exception", "timeout", "kernel_died", "invalid_args", "invalid_tool"]
+ErrorKind = Literal[
+    "exception", "timeout", "kernel_died", "invalid_args", "invalid_tool", "env_setup_failed"
+]
 
 DEFAULT_ENV_ALLOWLIST: tuple[str, ...] = (
     "PATH",
@@ -38,7 +40,9 @@ class ExecError(BaseModel):
     Attributes:
         kind: ``exception`` (the code raised), ``timeout``, ``kernel_died``, ``invalid_args``
             (arguments did not match the tool's schema; the tool did not run), ``invalid_tool``
-            (the tool's source did not compile or lacks the function).
+            (the tool's source did not compile or lacks the function), ``env_setup_failed``
+            (its virtual environment could not be built; ``evalue`` ends with the installer's
+            output).
         ename: Exception class name (e.g. ``"ValueError"``).
         evalue: Exception message.
         traceback: Traceback lines as the kernel sent them (may contain ANSI colour codes).

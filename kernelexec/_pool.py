@@ -1,4 +1,4 @@
-"""``KernelPool``: every kernel an executor owns, prewarmed, capped and culled.
+"""``KernelPool``: the kernels of one environment, prewarmed, capped and culled.
 
 The pool counts kernels that are warm (started, unassigned), in use by a session, or starting;
 together they never exceed ``max_kernels``. When a session needs a kernel and the cap is
@@ -28,7 +28,11 @@ log = logging.getLogger("kernelexec")
 
 
 class KernelPool:
-    """Owns kernels for one executor; see the module docstring for the policy."""
+    """Owns the kernels of one environment; see the module docstring for the policy.
+
+    ``total`` counts the kernels of every pool of the executor, so ``max_kernels`` caps them
+    all together and LRU eviction picks from every environment's sessions.
+    """
 
     def __init__(
         self,
@@ -41,6 +45,7 @@ class KernelPool:
         start_timeout: float,
         idle_timeout: float | None,
         sessions: Callable[[], list[AsyncSession]],
+        total: Callable[[], int] | None = None,
     ) -> None:
         self._backend = backend
         self._env = env
@@ -50,6 +55,7 @@ class KernelPool:
         self._start_timeout = start_timeout
         self._idle_timeout = idle_timeout
         self._sessions = sessions
+        self._total = total or (lambda: self.size)  # kernels counted against max_kernels
         self._warm: deque[KernelConnection] = deque()
         self._in_use: set[KernelConnection] = set()
         self._starting = 0
@@ -151,7 +157,7 @@ class KernelPool:
         task.add_done_callback(self._tasks.discard)
 
     async def _make_room(self) -> None:
-        if self.size < self._max:
+        if self._total() < self._max:
             return
         idle = [s for s in self._sessions() if s.has_kernel and not s.busy]
         if not idle:
@@ -188,14 +194,16 @@ class KernelPool:
     def _kick_refill(self) -> None:
         if self._closed or self._refilling or len(self._warm) >= self._prewarm:
             return
-        if self.size >= self._max:
+        if self._total() >= self._max:
             return
         self._refilling = True
         self._spawn(self._refill())
 
     async def _refill(self) -> None:
         try:
-            while not self._closed and len(self._warm) < self._prewarm and self.size < self._max:
+            while (
+                not self._closed and len(self._warm) < self._prewarm and self._total() < self._max
+            ):
                 try:
                     conn = await self._start()
                 except (KernelStartError, ExecutorClosedError) as exc:

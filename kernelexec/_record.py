@@ -66,7 +66,7 @@ def call_source(name: str, args: dict[str, Any]) -> str:
 
 def now_iso() -> str:
     """The current UTC time in ISO 8601 with milliseconds."""
-    return dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -113,17 +113,24 @@ class SessionRecorder:
         path: The ``.ipynb`` file, or ``None`` to keep the notebook in memory only. An existing
             kernelexec notebook at that path is continued, never overwritten.
         fingerprint: The environment's fingerprint, kept in the notebook metadata.
+        env: The environment as JSON (``LocalEnv``/``VenvEnv`` dumped), so replay can rebuild it.
     """
 
-    def __init__(self, agent_id: str, path: Path | None, fingerprint: str) -> None:
+    def __init__(
+        self,
+        agent_id: str,
+        path: Path | None,
+        fingerprint: str,
+        env: dict[str, Any] | None = None,
+    ) -> None:
         self.agent_id = agent_id
         self.path = path
         self._defined: dict[str, str] = {}  # tool name -> digest of the recorded definition
         self.generation = 0  # counts the kernels the session has had
         self._recorded_generation = -1  # the kernel of the last recorded cell
-        self.notebook = self._load_or_create(fingerprint)
+        self.notebook = self._load_or_create(fingerprint, env or {"kind": "local"})
 
-    def _load_or_create(self, fingerprint: str) -> NotebookNode:
+    def _load_or_create(self, fingerprint: str, env: dict[str, Any]) -> NotebookNode:
         if self.path is not None and self.path.exists():
             try:
                 nb = nbformat.read(self.path, as_version=4)
@@ -144,6 +151,7 @@ class SessionRecorder:
         nb.metadata[KEY] = {
             "agent_id": self.agent_id,
             "env_fingerprint": fingerprint,
+            "env": env,
             "created": now_iso(),
         }
         return nb
@@ -194,6 +202,14 @@ class SessionRecorder:
     def add_code(self, code: str, fields: dict[str, Any], started: str, timeout: float) -> None:
         """Record a ``run_code`` run."""
         meta = self._meta("code", fields, started, timeout, self._fresh_kernel(fields))
+        error = fields.get("error")
+        if error is not None and error.kind == "env_setup_failed":
+            why = error.evalue.splitlines()[0] if error.evalue else error.kind
+            commented = "\n".join(f"# {line}" for line in code.splitlines())
+            meta["status"] = "not_run"
+            source = f"# not run ({error.kind}: {why}):\n{commented}"
+            self.notebook.cells.append(self._cell(source, [], None, meta))
+            return
         count = fields.get("execution_count")
         self.notebook.cells.append(self._cell(code, fields["outputs"], count, meta))
 
@@ -208,7 +224,7 @@ class SessionRecorder:
     ) -> None:
         """Record a tool call: the tool's definition (when new or changed), then the call."""
         error = fields.get("error")
-        rejected = error is not None and error.kind == "invalid_args"
+        rejected = error is not None and error.kind in ("invalid_args", "env_setup_failed")
         fresh = self._fresh_kernel(fields)
         if not rejected and self._defined.get(tool.name) != tool.digest:
             definition = nbformat.v4.new_code_cell(source=tool.source_code)
@@ -238,8 +254,9 @@ class SessionRecorder:
         if rejected:
             # The tool never ran: keep the call for the audit but do not re-run it.
             assert error is not None
-            source = f"# rejected, not run ({error.evalue}):\n# {source}"
-            meta["status"] = "rejected"
+            why = error.evalue.splitlines()[0] if error.evalue else error.kind
+            source = f"# not run ({error.kind}: {why}):\n# {source}"
+            meta["status"] = "not_run"
             self.notebook.cells.append(self._cell(source, [], None, meta))
             return
         count = fields.get("execution_count")

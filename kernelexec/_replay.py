@@ -9,6 +9,7 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from kernelexec._envs import VenvEnv
 from kernelexec._executor import AsyncKernelExecutor
 from kernelexec._record import KEY, read_notebook
 
@@ -117,7 +118,9 @@ async def areplay(
 ) -> ReplayReport:
     """Run a notebook's code cells top to bottom in a fresh kernel and compare the outputs.
 
-    Cells recorded by kernelexec are re-run with the timeout they had, and the kernel is
+    The kernel runs in the recorded environment (a recorded venv is rebuilt from its
+    requirements, or reused from the cache). Cells recorded by kernelexec are re-run with the
+    timeout they had, and the kernel is
     restarted where the recorded session got a fresh kernel, so a recorded timeout or lost
     state replays as it happened. Calls that were rejected before running are skipped.
 
@@ -131,6 +134,13 @@ async def areplay(
     """
     nb = read_notebook(path)
     report = ReplayReport(notebook=str(path))
+    recorded_env = (nb.metadata.get(KEY) or {}).get("env") or {}
+    if recorded_env.get("kind") == "venv" and "env" not in config:
+        # Rebuilt (or reused from the cache) from the recorded requirements.
+        config["env"] = VenvEnv(
+            requirements=tuple(recorded_env.get("requirements") or ()),
+            python=recorded_env.get("python"),
+        )
     async with AsyncKernelExecutor(default_timeout=default_timeout, **config) as ex:
         session = await ex.session("replay")
         ran = False
@@ -138,7 +148,7 @@ async def areplay(
             if cell.cell_type != "code":
                 continue
             meta = cell.metadata.get(KEY) or {}
-            if meta.get("status") == "rejected":
+            if meta.get("status") == "not_run":
                 continue
             if meta.get("fresh_kernel") and ran:
                 await session.restart()

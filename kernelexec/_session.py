@@ -6,13 +6,14 @@ import asyncio
 import json
 import signal
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from nbformat import NotebookNode
 from pydantic import BaseModel
 
-from kernelexec._exceptions import ExecutorClosedError
+from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
 from kernelexec._models import ExecError, Execution, ToolResult
 from kernelexec._record import SessionRecorder, now_iso
 from kernelexec._run import Callbacks, OutputCallback, RunOutcome, run_internal, run_request
@@ -55,7 +56,7 @@ class AsyncSession:
     def __init__(
         self,
         agent_id: str,
-        pool: KernelPool,
+        pool: Callable[[], Awaitable[KernelPool]],
         workdir: Path,
         *,
         fingerprint: str,
@@ -69,7 +70,8 @@ class AsyncSession:
         self.agent_id = agent_id
         self.workdir = workdir
         self.fingerprint = fingerprint
-        self._pool = pool
+        self._get_pool = pool  # builds the session's environment on first use
+        self._pool: KernelPool | None = None
         self._timeout = default_timeout
         self._grace = interrupt_grace
         self._output_grace = output_grace
@@ -177,11 +179,8 @@ class AsyncSession:
             rejected = self._invalid_args(problems, agent_state)
             if self._recorder is not None:
                 async with self._lock:
-                    fields: dict[str, Any] = {
-                        "status": "error",
-                        "error": rejected.error,
-                        "outputs": [],
-                    }
+                    assert rejected.error is not None
+                    fields = _not_run(rejected.error)
                     self._recorder.add_tool_call(
                         tool, args, fields, now_iso(), timeout or self._timeout, agent_state
                     )
@@ -245,7 +244,7 @@ class AsyncSession:
         """Shut the session's kernel down; later calls raise ``ExecutorClosedError``."""
         self._closed = True
         conn, self._conn = self._conn, None
-        if conn is not None:
+        if conn is not None and self._pool is not None:
             await self._pool.discard(conn)
 
     # -- used by the pool -------------------------------------------------------------------
@@ -257,6 +256,7 @@ class AsyncSession:
             return
         self._lost = (self._lost or []) + self._names
         self._names = []
+        assert self._pool is not None
         await self._pool.discard(conn)
 
     # -- internals ---------------------------------------------------------------------------
@@ -285,9 +285,12 @@ class AsyncSession:
         conn = self._conn
         if conn is not None and not await conn.is_alive():
             lost = (lost or []) + self._names
+            assert self._pool is not None
             await self._pool.discard(conn)
             conn = self._conn = None
         if conn is None:
+            if self._pool is None:
+                self._pool = await self._get_pool()
             conn = await self._pool.acquire()
             self._conn = conn
             self._names = []
@@ -312,6 +315,7 @@ class AsyncSession:
         old, self._conn = self._conn, None
         self._names = []
         if old is not None:
+            assert self._pool is not None
             self._conn = await self._pool.replace(old)
             await self._configure(self._conn)
 
@@ -324,7 +328,15 @@ class AsyncSession:
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         try:
-            conn, lost = await self._attach()
+            try:
+                conn, lost = await self._attach()
+            except EnvSetupError as exc:
+                fields = _not_run(
+                    ExecError(kind="env_setup_failed", ename="EnvSetupError", evalue=str(exc))
+                )
+                fields["duration_s"] = time.monotonic() - start
+                fields["timeout_s"] = timeout
+                return fields, None
             out = await self._send(conn, request, timeout, callbacks)
             if out.died and not out.started:
                 # The kernel died before it saw the request (e.g. killed between calls): the
@@ -420,6 +432,11 @@ class AsyncSession:
             "lost_variables": sorted(set(lost_names)),
         }
         return fields, result
+
+
+def _not_run(error: ExecError) -> dict[str, Any]:
+    """Result fields of a run that never reached a kernel."""
+    return {"status": "error", "error": error, "outputs": [], "stdout": "", "stderr": ""}
 
 
 def _read_report(reply: dict[str, Any]) -> dict[str, Any] | None:

@@ -16,6 +16,7 @@ from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from kernelexec._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ExecutorClosedError
 from kernelexec._executor import DEFAULT_AGENT, AsyncKernelExecutor
 from kernelexec._models import Execution, ToolResult
@@ -112,7 +113,7 @@ class KernelExecutor:
     def __init__(self, **kwargs: Any) -> None:
         self._async = AsyncKernelExecutor(**kwargs)
         self._portal = _Portal()
-        self._sessions: dict[str, Session] = {}
+        self._sessions: dict[tuple[str, str], Session] = {}
         self._finalizer = weakref.finalize(self, _shutdown, self._portal, self._async)
 
     @property
@@ -132,16 +133,41 @@ class KernelExecutor:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def warm_up(self) -> None:
-        """Wait until the ``prewarm`` kernels are started and ready."""
-        self._portal.call(self._async.warm_up)
+    @property
+    def env(self) -> LocalEnv | VenvEnv:
+        """The default environment."""
+        return self._async.env
 
-    def session(self, agent_id: str = DEFAULT_AGENT) -> Session:
-        """The session of ``agent_id`` (the same object for the same id)."""
-        inner = self._portal.call(self._async.session, agent_id)
-        wrapper = self._sessions.get(agent_id)
+    @property
+    def fingerprint(self) -> str:
+        """The default environment's fingerprint."""
+        return self._async.fingerprint
+
+    @property
+    def sessions(self) -> dict[str, Session]:
+        """The open sessions of the default environment by agent id (a copy)."""
+        return {agent: self._wrap(inner) for agent, inner in self._async.sessions.items()}
+
+    def env_for(self, tool: Tool | None, env: LocalEnv | VenvEnv | None = None) -> Any:
+        """The environment a call runs in; see :meth:`AsyncKernelExecutor.env_for`."""
+        return self._async.env_for(tool, env)
+
+    def warm_up(self, env: LocalEnv | VenvEnv | None = None) -> None:
+        """Build ``env`` if needed and wait for its prewarmed kernels; see
+        :meth:`AsyncKernelExecutor.warm_up`."""
+        self._portal.call(self._async.warm_up, env)
+
+    def session(
+        self, agent_id: str = DEFAULT_AGENT, env: LocalEnv | VenvEnv | None = None
+    ) -> Session:
+        """The session of ``agent_id`` in ``env`` (the same object for the same pair)."""
+        return self._wrap(self._portal.call(self._async.session, agent_id, env))
+
+    def _wrap(self, inner: AsyncSession) -> Session:
+        key = (inner.agent_id, inner.fingerprint)
+        wrapper = self._sessions.get(key)
         if wrapper is None or wrapper._inner is not inner:
-            wrapper = self._sessions[agent_id] = Session(inner, self._portal)
+            wrapper = self._sessions[key] = Session(inner, self._portal)
         return wrapper
 
     def call_tool(

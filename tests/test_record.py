@@ -103,7 +103,8 @@ def test_session_is_recorded_as_a_valid_notebook(recorded: Path) -> None:
     sources = [c.source for c in nb.cells]
     assert sources[0] == TOOL_V1
     assert sources[1] == f"describe(name='héllo ✓', values=[1, 2, {BIG}])"
-    assert sources[2].startswith("# rejected, not run (argument 'name': 1 is not of type")
+    assert sources[2].startswith("# not run (invalid_args: argument 'name': 1 is not of type")
+    assert nb.cells[2].metadata["kernelexec"]["status"] == "not_run"
     assert sources[6] == "describe(name='again', values=[4])"  # definition not repeated
     call = nb.cells[1]
     meta = call.metadata["kernelexec"]
