@@ -358,8 +358,9 @@ class EnvBuilder:
             self._emit(fingerprint, "creating", f"creating a venv with {kind} ({python})", start)
             if uv is not None:
                 create = [uv, "venv", "--quiet", "--relocatable", "--python", python, str(tmp)]
-                install = [uv, "pip", "install", "--compile-bytecode", "--python", venv_python]
-                install += ["-r", str(reqs)]
+                # No --compile-bytecode: it triples the build, and the first kernel writes the
+                # .pyc files it needs anyway (measured in benchmarks/envs.py).
+                install = [uv, "pip", "install", "--python", venv_python, "-r", str(reqs)]
             else:
                 create = [python, "-m", "venv", str(tmp)]
                 install = [venv_python, "-m", "pip", "install", "--no-input", "-r", str(reqs)]
