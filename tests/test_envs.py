@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -159,10 +160,11 @@ async def test_concurrent_builds_in_one_process_build_once(wheel_dir: Path, tmp_
 
 def test_concurrent_builds_in_two_processes_build_once(wheel_dir: Path, tmp_path: Path) -> None:
     wheel = make_wheel(wheel_dir, "kxrace", "1.0", "VERSION = '1.0'\n")
-    argv = [sys.executable, "-m", "kernelexec", "env", "build", str(wheel)]
-    argv += ["--cache-dir", str(tmp_path), "--json"]
+    argv = [sys.executable, "-m", "kernelexec", "env", "build", f"kxrace @ file://{wheel}"]
+    argv += ["--json"]
+    env = {**os.environ, "KERNELEXEC_CACHE_DIR": str(tmp_path)}  # the variable picks the cache
     procs = [
-        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         for _ in range(2)
     ]
     outs = [p.communicate(timeout=300) for p in procs]
@@ -171,6 +173,8 @@ def test_concurrent_builds_in_two_processes_build_once(wheel_dir: Path, tmp_path
     assert sorted(r["built"] for r in results) == [False, True]
     assert results[0]["path"] == results[1]["path"]
     fingerprint = results[0]["fingerprint"]
+    assert fingerprint == kx.VenvEnv(requirements=[f"kxrace @ file://{wheel}"]).fingerprint
+    assert results[0]["path"] == str(tmp_path / "envs" / fingerprint)
     assert entries(tmp_path) == [f".{fingerprint}.lock", fingerprint]
     waited = [err for _, err in outs if "another build holds the lock" in err]
     assert len(waited) == 1
