@@ -20,7 +20,7 @@ from kernelexec._exceptions import ConfigError, ExecutorClosedError
 from kernelexec._models import Execution, ToolResult
 from kernelexec._pool import KernelPool
 from kernelexec._record import SessionRecorder, safe_filename
-from kernelexec._session import AsyncSession
+from kernelexec._session import REPORT_EXPRESSION, AsyncSession
 from kernelexec._tools import Tool
 from kernelexec.backends._base import ExecuteRequest, KernelBackend
 from kernelexec.backends._local import LocalBackend
@@ -51,7 +51,14 @@ def _bootstrap_request(max_output_chars: int) -> ExecuteRequest:
         code=code,
         silent=True,
         store_history=False,
-        metadata={"kernelexec": {"source": source, "max_output_chars": max_output_chars}},
+        metadata={
+            "kernelexec": {
+                "source": source,
+                "max_output_chars": max_output_chars,
+                "report_expression": REPORT_EXPRESSION,
+                "fast_paths": os.environ.get("KERNELEXEC_NO_FAST_PATHS") != "1",
+            }
+        },
     )
 
 

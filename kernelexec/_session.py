@@ -25,7 +25,8 @@ if TYPE_CHECKING:
 
 RESULT_MIME = "application/vnd.kernelexec.result+json"
 _MODULE = "__import__('__kernelexec__')"
-_REPORT = {"kx": f"{_MODULE}.report()"}
+REPORT_EXPRESSION = f"{_MODULE}.report()"
+_REPORT = {"kx": REPORT_EXPRESSION}
 _KIND_BY_ENAME = {
     "KernelexecInvalidTool": "invalid_tool",
     "KernelexecInvalidArgs": "invalid_args",

@@ -393,3 +393,30 @@ def test_agent_state_pydantic_model_comes_back_as_same_class() -> None:
     assert isinstance(result.agent_state, LocalState)
     assert result.agent_state.turns == 6
     assert result.agent_state.notes == ["AttrDict"]
+
+
+def test_every_kind_of_output_arrives_before_the_result(executor: kx.KernelExecutor) -> None:
+    """Partial lines, C-level (fd) output, subprocess output and stderr all come with the run.
+
+    This guards the kernel-side fast path that skips ipykernel's flush when nothing is pending.
+    """
+    source = (
+        "def noisy() -> int:\n"
+        '    """Write every way there is."""\n'
+        "    import os, subprocess, sys\n"
+        "    print('partial', end='')\n"
+        "    sys.stderr.write('err-partial')\n"
+        "    os.write(1, b'fd-level\\n')\n"
+        "    subprocess.run(['echo', 'from-child'], check=True)\n"
+        "    return 7\n"
+    )
+    tool = kx.Tool.from_source(source)
+    session = executor.session("noisy")
+    for _ in range(20):  # a race would show as a missing piece in some runs
+        result = session.call_tool(tool)
+        assert result.func_return == 7
+        assert result.stdout.startswith("partial")
+        assert "fd-level\n" in result.stdout and "from-child\n" in result.stdout
+        assert result.stderr == "err-partial"
+    code = session.run_code("print('a', end=''); import sys; sys.stdout.write('b'); 1")
+    assert code.stdout == "ab" and code.result == "1"
