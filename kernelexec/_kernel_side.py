@@ -145,6 +145,8 @@ def _fast_report(expression: str) -> None:
 def install() -> None:
     """Set up the kernel for kernelexec; called once after the kernel starts."""
     cfg = _payload()
+    if "debugpy" in sys.modules and sys.modules["debugpy"] is None:
+        del sys.modules["debugpy"]  # blocked only while ipykernel started (see the launcher)
     budget = _Budget(int(cfg.get("max_output_chars", 1_000_000)))
     _state["budget"] = budget
     for stream in (sys.stdout, sys.stderr):
@@ -155,17 +157,22 @@ def install() -> None:
     if cfg.get("fast_paths", True) and cfg.get("report_expression"):
         _fast_report(cfg["report_expression"])
     _ip().events.register("pre_execute", budget.reset)
+    _ip().events.register("pre_execute", configure)
 
 
 def configure() -> None:
-    """Apply per-session settings (working directory) sent in the request metadata.
+    """Apply per-session settings that ride on a session's first request (``pre_execute``).
 
-    The report that follows carries the kernel's ``language_info`` (for notebook recordings).
+    The host adds ``configure`` (the working directory) to the metadata of the first request a
+    kernel gets from a session, which saves a round trip; that run's report also carries the
+    kernel's ``language_info`` (for notebook recordings).
     """
-    cfg = _payload()
+    cfg = _payload().get("configure")
+    if not cfg:
+        return
     if cfg.get("cwd"):
         os.chdir(cfg["cwd"])
-    _state["result"] = {"language_info": dict(getattr(_ip().kernel, "language_info", {}))}
+    _state["language_info"] = dict(getattr(_ip().kernel, "language_info", {}))
 
 
 def user_names() -> list[str]:
@@ -187,7 +194,9 @@ class _Report:
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         result, _state["result"] = _state["result"], None
-        report = {"names": user_names(), "result": result}
+        report: dict[str, Any] = {"names": user_names(), "result": result}
+        if _state.get("language_info"):
+            report["language_info"] = _state.pop("language_info")
         return {RESULT_MIME: json.dumps(report, ensure_ascii=False, allow_nan=False)}
 
 

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kernelexec")
 
+REFILL_DELAY = 0.2
+"""Seconds between handing out a warm kernel and starting its replacement."""
+
 
 class KernelPool:
     """Owns the kernels of one environment; see the module docstring for the policy.
@@ -104,7 +107,9 @@ class KernelPool:
             conn = await self._start()
             break
         self._in_use.add(conn)
-        self._kick_refill()
+        # Start the replacement a moment later: launching a kernel takes a core for half a
+        # second, and the session that just took this kernel is about to make its first call.
+        self._kick_refill(delay=REFILL_DELAY)
         return conn
 
     async def replace(self, conn: KernelConnection) -> KernelConnection:
@@ -191,16 +196,18 @@ class KernelPool:
             detail = (out.error or out.reply or {}).get("evalue", "no reply")
             raise KernelStartError(f"installing kernelexec's helper in the kernel failed: {detail}")
 
-    def _kick_refill(self) -> None:
+    def _kick_refill(self, delay: float = 0.0) -> None:
         if self._closed or self._refilling or len(self._warm) >= self._prewarm:
             return
         if self._total() >= self._max:
             return
         self._refilling = True
-        self._spawn(self._refill())
+        self._spawn(self._refill(delay))
 
-    async def _refill(self) -> None:
+    async def _refill(self, delay: float = 0.0) -> None:
         try:
+            if delay:
+                await asyncio.sleep(delay)
             while (
                 not self._closed and len(self._warm) < self._prewarm and self._total() < self._max
             ):

@@ -156,11 +156,15 @@ class SessionRecorder:
         }
         return nb
 
-    def kernel_started(self, language_info: dict[str, Any] | None) -> None:
+    def kernel_started(self, language_info: dict[str, Any] | None = None) -> None:
         """Note that the session got a fresh kernel (its state starts empty)."""
         self.generation += 1
         if language_info:
-            self.notebook.metadata["language_info"] = language_info
+            self.language_info(language_info)
+
+    def language_info(self, info: dict[str, Any]) -> None:
+        """Keep the kernel's ``language_info`` in the notebook metadata."""
+        self.notebook.metadata["language_info"] = info
 
     def _fresh_kernel(self, fields: dict[str, Any]) -> bool:
         """Whether this run is the first recorded one on its kernel (then replay restarts)."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import signal
 import time
@@ -16,7 +17,7 @@ from pydantic import BaseModel
 from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
 from kernelexec._models import ExecError, Execution, ToolResult
 from kernelexec._record import SessionRecorder, now_iso
-from kernelexec._run import Callbacks, OutputCallback, RunOutcome, run_internal, run_request
+from kernelexec._run import Callbacks, OutputCallback, RunOutcome, run_request
 from kernelexec._tools import Tool
 from kernelexec.backends._base import ExecuteRequest, KernelConnection
 
@@ -84,6 +85,7 @@ class AsyncSession:
         self._lost: list[str] | None = None  # state lost outside a run, not yet reported
         self._closed = False
         self._recorder = recorder
+        self._pending_config: dict[str, Any] | None = None
         self.last_used = time.monotonic()
 
     # -- public API -------------------------------------------------------------------------
@@ -299,18 +301,10 @@ class AsyncSession:
         return conn, lost
 
     async def _configure(self, conn: KernelConnection) -> None:
-        request = ExecuteRequest(
-            code=f"{_MODULE}.configure()",
-            silent=True,
-            store_history=False,
-            metadata={"kernelexec": {"cwd": str(self.workdir)}},
-            user_expressions=_REPORT,
-        )
-        out = await run_internal(conn, request, timeout=30.0)
+        # Sent with the next request instead of on its own: one round trip less per new kernel.
+        self._pending_config = {"cwd": str(self.workdir)}
         if self._recorder is not None:
-            report = _read_report(out.reply or {}) or {}
-            info = (report.get("result") or {}).get("language_info")
-            self._recorder.kernel_started(info if isinstance(info, dict) else None)
+            self._recorder.kernel_started(None)
 
     async def _replace_kernel(self) -> None:
         old, self._conn = self._conn, None
@@ -363,6 +357,12 @@ class AsyncSession:
         timeout: float,
         callbacks: Callbacks,
     ) -> RunOutcome:
+        if self._pending_config is not None:
+            metadata = dict(request.metadata or {})
+            spec = dict(metadata.get("kernelexec") or {})
+            spec["configure"], self._pending_config = self._pending_config, None
+            metadata["kernelexec"] = spec
+            request = dataclasses.replace(request, metadata=metadata)
         return await run_request(
             conn,
             request,
@@ -404,6 +404,9 @@ class AsyncSession:
             if report is not None:
                 self._names = list(report.get("names") or [])
                 result = report.get("result")
+                info = report.get("language_info")
+                if self._recorder is not None and isinstance(info, dict):
+                    self._recorder.language_info(info)
             if out.timed_out:
                 error = ExecError(
                     kind="timeout",

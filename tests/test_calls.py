@@ -420,3 +420,15 @@ def test_every_kind_of_output_arrives_before_the_result(executor: kx.KernelExecu
         assert result.stderr == "err-partial"
     code = session.run_code("print('a', end=''); import sys; sys.stdout.write('b'); 1")
     assert code.stdout == "ab" and code.result == "1"
+
+
+def test_lean_launcher_leaves_a_normal_kernel(executor: kx.KernelExecutor) -> None:
+    """The launcher skips ipykernel's debugger at start, but tools can still import debugpy,
+    and the working directory does not shadow installed modules."""
+    session = executor.session("lean")
+    (session.workdir / "json.py").write_text("raise RuntimeError('shadowed')\n")
+    result = session.run_code(
+        "import debugpy, json, sys\n"
+        "(type(debugpy.__version__).__name__, json.dumps([1]), '' in sys.path)"
+    )
+    assert result.result == "('str', '[1]', False)", result.error
