@@ -424,11 +424,10 @@ def test_every_kind_of_output_arrives_before_the_result(executor: kx.KernelExecu
 
 def test_lean_launcher_leaves_a_normal_kernel(executor: kx.KernelExecutor) -> None:
     """The launcher skips ipykernel's debugger at start, but tools can still import debugpy,
-    and the working directory does not shadow installed modules."""
+    and, as in Jupyter, modules in the working directory are importable."""
     session = executor.session("lean")
-    (session.workdir / "json.py").write_text("raise RuntimeError('shadowed')\n")
+    (session.workdir / "helper_mod.py").write_text("VALUE = 41\n")
     result = session.run_code(
-        "import debugpy, json, sys\n"
-        "(type(debugpy.__version__).__name__, json.dumps([1]), '' in sys.path)"
+        "import debugpy, helper_mod\n(type(debugpy.__version__).__name__, helper_mod.VALUE + 1)"
     )
-    assert result.result == "('str', '[1]', False)", result.error
+    assert result.result == "('str', 42)", result.error
