@@ -170,15 +170,74 @@ async def bench_warm(results: dict[str, Any], n: int, n_base: int, workdir: str)
         )
         await s.run_code(ADD_SOURCE)
         results["run_code_warm"] = stats(await timed(n, lambda: s.run_code("add(1, 2)")))
+    log(f"kernelexec: {n} warm call_tool calls with the kernel-side fast paths off")
+    os.environ["KERNELEXEC_NO_FAST_PATHS"] = "1"
+    try:
+        async with kx.AsyncKernelExecutor() as ex:
+            s = await ex.session("stock")
+            for _ in range(20):
+                await s.call_tool(tool, {"a": 1, "b": 2})
+            results["call_tool_warm_no_fast_paths"] = stats(
+                await timed(n, lambda: s.call_tool(tool, {"a": 1, "b": 2}))
+            )
+    finally:
+        del os.environ["KERNELEXEC_NO_FAST_PATHS"]
+    log(f"kernelexec: {n // 2} warm calls through the blocking KernelExecutor")
+    results["call_tool_warm_sync"] = stats(await asyncio.to_thread(sync_calls, tool, n // 2))
     log(f"floor: {n} bare jupyter-client executes")
     results["floor_jupyter_client"] = stats(await bare_client_floor(n))
+    log(f"floor: {n} raw shell-only executes (reply with user_expressions, no iopub)")
+    results["floor_shell_only"] = stats(await bare_client_floor(n, shell_only=True))
+    log(f"peer: {n // 2} warm nbclient execute_cell calls")
+    results["nbclient_peer"] = stats(await nbclient_peer(n // 2))
 
 
-async def bare_client_floor(n: int) -> list[float]:
+def sync_calls(tool: kx.Tool, n: int) -> list[float]:
+    """Warm calls through the blocking facade (one loop thread, one call at a time)."""
+    samples = []
+    with kx.KernelExecutor() as ex:
+        s = ex.session("sync")
+        for _ in range(20):
+            s.call_tool(tool, {"a": 1, "b": 2})
+        for _ in range(n):
+            t0 = time.perf_counter()
+            s.call_tool(tool, {"a": 1, "b": 2})
+            samples.append(time.perf_counter() - t0)
+    return samples
+
+
+async def nbclient_peer(n: int) -> list[float]:
+    """The peer approach: an nbclient NotebookClient executing a cell per call (warm kernel),
+    as notebook-driven executors (AutoGen's Jupyter executor family) do."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    from kernelexec.backends._local import _KERNEL_FLAGS
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(ADD_SOURCE), nbformat.v4.new_code_cell("add(1, 2)")]
+    client = NotebookClient(nb, timeout=30, kernel_name="python3")
+    client.extra_arguments = list(_KERNEL_FLAGS)
+    async with client.async_setup_kernel():
+        await client.async_execute_cell(nb.cells[0], 0)
+
+        async def one() -> None:
+            cell = nb.cells[1]
+            cell.outputs = []
+            await client.async_execute_cell(cell, 1)
+            assert cell.outputs[0]["data"]["text/plain"] == "3"
+
+        for _ in range(20):
+            await one()
+        return await timed(n, one)
+
+
+async def bare_client_floor(n: int, shell_only: bool = False) -> list[float]:
     """A stock AsyncKernelClient execute of the same code, iopub drained until idle.
 
     The kernel gets the same flags kernelexec's local backend uses, so the difference between
-    this row and call_tool is kernelexec's own layer.
+    this row and call_tool is kernelexec's own layer. ``shell_only`` waits for the shell reply
+    only (result read from ``user_expressions``; iopub ignored): the raw floor of one request.
     """
     from jupyter_client.manager import AsyncKernelManager
 
@@ -198,6 +257,11 @@ async def bare_client_floor(n: int) -> list[float]:
         await kc.wait_for_ready(timeout=60)
         await kc.execute_interactive(ADD_SOURCE, timeout=30)
 
+        async def shell() -> None:
+            kc.execute("0", user_expressions={"r": "add(1, 2)"})
+            reply = await kc.get_shell_msg(timeout=30)
+            assert reply["content"]["user_expressions"]["r"]["data"]["text/plain"] == "3"
+
         async def one() -> None:
             msg_id = kc.execute("add(1, 2)")
             while True:
@@ -210,9 +274,10 @@ async def bare_client_floor(n: int) -> list[float]:
                     break
             await kc.get_shell_msg(timeout=30)
 
+        fn = shell if shell_only else one
         for _ in range(20):
-            await one()
-        return await timed(n, one)
+            await fn()
+        return await timed(n, fn)
     finally:
         kc.stop_channels()
         await km.shutdown_kernel(now=True)
@@ -357,7 +422,11 @@ def table(results: dict[str, Any]) -> str:
         ("baseline", "baseline: subprocess per call (pickle between markers)"),
         ("baseline_model", "baseline + generated pydantic args model"),
         ("floor_jupyter_client", "floor: bare jupyter-client execute, iopub to idle"),
+        ("floor_shell_only", "floor: raw shell-only execute, user_expressions, no iopub"),
+        ("nbclient_peer", "peer: nbclient execute_cell, warm"),
         ("call_tool_warm", "kernelexec call_tool, warm"),
+        ("call_tool_warm_sync", "kernelexec call_tool, warm, blocking KernelExecutor"),
+        ("call_tool_warm_no_fast_paths", "kernelexec call_tool, warm, kernel fast paths off"),
         ("run_code_warm", "kernelexec run_code `add(1, 2)`, warm"),
         ("first_call_prewarm", "first call of a new session, prewarm=1"),
         ("first_call_cold", "first call of a new session, no prewarm"),
@@ -380,6 +449,13 @@ def table(results: dict[str, Any]) -> str:
         f"{results['baseline_model']['median_ms'] / warm:.1f}x faster; "
         f"overhead over the bare jupyter-client floor: {warm / floor:.2f}x"
     )
+    if "floor_shell_only" in results:
+        lines.append(
+            f"call_tool / raw shell-only floor: "
+            f"{warm / results['floor_shell_only']['median_ms']:.2f}x; nbclient peer / call_tool: "
+            f"{results['nbclient_peer']['median_ms'] / warm:.2f}x; fast paths off / on: "
+            f"{results['call_tool_warm_no_fast_paths']['median_ms'] / warm:.2f}x"
+        )
     if "first_call_prewarm" in results:
         lines.append(
             f"first call with prewarm / warm call: "

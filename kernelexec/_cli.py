@@ -105,6 +105,9 @@ def _parser() -> argparse.ArgumentParser:
 
     demo = sub.add_parser("demo", help="a scripted stateful agent session")
     demo.add_argument("--calls", type=int, default=200, help="warm calls to time at the end")
+    demo.add_argument(
+        "--record", metavar="DIR", default="kernelexec-demo", help="where the notebook goes"
+    )
     return parser
 
 
@@ -302,7 +305,7 @@ def main(argv: list[str] | None = None) -> int:
         if ns.command == "demo":
             from kernelexec._demo import run_demo
 
-            return run_demo(calls=ns.calls)
+            return run_demo(calls=ns.calls, record_dir=ns.record)
         return int(handlers[ns.command](ns))
     except (UsageError, ConfigError) as exc:
         # ConfigError covers unreadable notebooks and bad --record directories: bad input.

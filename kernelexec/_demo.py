@@ -8,7 +8,8 @@ import textwrap
 import time
 
 from kernelexec._models import Execution, ToolResult
-from kernelexec._sync import KernelExecutor
+from kernelexec._progress import ProgressDisplay
+from kernelexec._sync import KernelExecutor, replay
 from kernelexec._tools import Tool
 
 _TOOLS = [
@@ -87,14 +88,19 @@ def _show(label: str, result: Execution) -> None:
         )
 
 
-def run_demo(calls: int = 200) -> int:
-    """Run the demo session; returns the exit status."""
+def run_demo(calls: int = 200, record_dir: str = "kernelexec-demo") -> int:
+    """Run the demo session, recorded as a notebook in ``record_dir`` and replayed; returns the
+    exit status."""
     tools = {t.name: t for t in (Tool.from_source(textwrap.dedent(s)) for s in _TOOLS)}
     _say("kernelexec demo: one agent, one persistent kernel, state kept across tool calls\n")
     start = time.monotonic()
-    with KernelExecutor(default_timeout=30, interrupt_grace=2.0) as ex:
-        agent = ex.session("demo-agent")
-        _show("load_orders(n=10000)", agent.call_tool(tools["load_orders"], {"n": 10_000}))
+    agent_id = f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
+    display = ProgressDisplay()
+    with KernelExecutor(default_timeout=30, interrupt_grace=2.0, record_dir=record_dir) as ex:
+        agent = ex.session(agent_id)
+        with display.step("starting a kernel"):
+            first = agent.call_tool(tools["load_orders"], {"n": 10_000})
+        _show("load_orders(n=10000)", first)
         _say(f"  (first call includes starting the kernel: {time.monotonic() - start:.2f} s)")
         _show("add_tax(rate=0.2)", agent.call_tool(tools["add_tax"], {"rate": 0.2}))
         _show("top_regions(k=2)", agent.call_tool(tools["top_regions"], {"k": 2}))
@@ -109,7 +115,19 @@ def run_demo(calls: int = 200) -> int:
         )
         _show("run_code: len(orders) after timeout", agent.run_code("len(orders)"))
         _show("top_regions(k=4)", agent.call_tool(tools["top_regions"], {"k": 4}))
+        notebook = agent.record_path
+    _say(f"\nrecorded the session as a notebook: {notebook}")
+    _say(f"  open it in Jupyter, or re-run it: kernelexec replay {notebook}")
+    with display.step("replaying the recording in a fresh kernel"):
+        report = replay(notebook, default_timeout=30)
+    verdict = "no differences" if report.ok else f"{len(report.differences)} cell(s) differ"
+    _say(f"  replayed {report.cells_run} cells in a fresh kernel: {verdict}")
 
+    with KernelExecutor(prewarm=1) as ex:
+        ex.warm_up()
+        agent = ex.session("timing")
+        agent.call_tool(tools["load_orders"], {"n": 10_000})
+        agent.call_tool(tools["add_tax"], {"rate": 0.2})
         times = []
         for _ in range(calls):
             t0 = time.perf_counter()

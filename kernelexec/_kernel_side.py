@@ -30,8 +30,10 @@ import linecache
 import math
 import os
 import pathlib
+import select
 import sys
 import threading
+import time
 import uuid
 from typing import Any
 
@@ -121,6 +123,32 @@ def _skip_empty_flush(stream: Any) -> None:
     stream.flush = flush
 
 
+def _wait_for_fd_output(streams: list[Any]) -> None:
+    """Let ipykernel's fd-capture threads pick up output still in their pipes.
+
+    C-level and subprocess output reaches the kernel through a pipe that a thread reads; at the
+    end of a run some of it may not have been read yet, and it would then be sent after the
+    run is over (and lost to the caller). Waits while a pipe has data, at most 50 ms; costs one
+    ``select`` per stream when the pipes are empty.
+    """
+    fds = [s._fid for s in streams if isinstance(getattr(s, "_fid", None), int)]
+    if not fds:
+        return
+    deadline = time.monotonic() + 0.05
+    waited = False
+    while time.monotonic() < deadline:
+        try:
+            readable, _, _ = select.select(fds, [], [], 0)
+        except (OSError, ValueError):
+            return
+        if not readable:
+            break
+        waited = True
+        time.sleep(0.0005)
+    if waited:
+        time.sleep(0.001)  # the reader holds the last chunk for a moment before writing it
+
+
 def _fast_report(expression: str) -> None:
     """Answer kernelexec's own report expression without IPython's display formatter.
 
@@ -156,6 +184,8 @@ def install() -> None:
                 _skip_empty_flush(stream)
     if cfg.get("fast_paths", True) and cfg.get("report_expression"):
         _fast_report(cfg["report_expression"])
+    streams = [s for s in (sys.stdout, sys.stderr) if hasattr(s, "session")]
+    _ip().events.register("post_execute", lambda: _wait_for_fd_output(streams))
     _ip().events.register("pre_execute", budget.reset)
     _ip().events.register("pre_execute", configure)
 

@@ -103,10 +103,14 @@ def test_schema(tool_file: Path) -> None:
     assert schema["parameters"]["properties"]["times"]["default"] == 1
 
 
-def test_demo_runs_the_stateful_session() -> None:
-    proc = kernelexec("demo", "--calls", "20")
+def test_demo_runs_the_stateful_session(tmp_path: Path) -> None:
+    proc = kernelexec("demo", "--calls", "20", "--record", str(tmp_path))
     assert proc.returncode == 0, proc.stderr
     out = proc.stdout
+    notebooks = list(tmp_path.glob("demo-*.ipynb"))
+    assert len(notebooks) == 1
+    assert f"recorded the session as a notebook: {notebooks[0]}" in out
+    assert "replayed 12 cells in a fresh kernel: no differences" in out
     assert "load_orders(n=10000)" in out and "{'loaded': 10000}" in out
     assert "invalid_args" in out
     assert "KeyError" in out
