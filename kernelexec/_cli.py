@@ -151,7 +151,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         raise UsageError(f"--args is not valid JSON: {exc}") from None
     if not isinstance(args, dict):
         raise UsageError("--args must be a JSON object")
-    with KernelExecutor(**_record_config(ns)) as ex:
+    config = _record_config(ns)
+    with KernelExecutor(**config) as ex, config["on_progress"].step("running (kernel start)"):
         result = ex.call_tool(tool, args, agent_id=ns.agent, timeout=ns.timeout)
         _report_recording(ex, ns)
     return _print_result(result, ns.json)
@@ -159,7 +160,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
 def _cmd_exec(ns: argparse.Namespace) -> int:
     code = sys.stdin.read() if ns.code == "-" else ns.code
-    with KernelExecutor(**_record_config(ns)) as ex:
+    config = _record_config(ns)
+    with KernelExecutor(**config) as ex, config["on_progress"].step("running (kernel start)"):
         result = ex.run_code(code, agent_id=ns.agent, timeout=ns.timeout)
         _report_recording(ex, ns)
     return _print_result(result, ns.json)
