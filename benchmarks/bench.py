@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import contextlib
 import json
 import os
 import pickle
@@ -21,7 +22,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,8 @@ def add(a: int, b: int) -> int:
     """
     return a + b
 '''
+
+ROUNDS = 10
 
 # -- the baseline: a faithful re-implementation of the subprocess-per-call sandbox ---------------
 
@@ -147,92 +150,58 @@ def log(text: str) -> None:
 
 
 async def bench_warm(results: dict[str, Any], n: int, n_base: int, workdir: str) -> None:
+    """Every warm-latency row, interleaved: ``ROUNDS`` rounds, each running a block of every
+    variant in turn, so that drift in machine load hits all rows alike."""
     tool = kx.Tool.from_source(ADD_SOURCE)
-    log(f"baseline: {n_base} subprocess calls (plain and with a pydantic args model)")
-    await baseline_call(ADD_SOURCE, "add", {"a": 1, "b": 2}, workdir)
-    results["baseline"] = stats(
-        await timed(n_base, lambda: baseline_call(ADD_SOURCE, "add", {"a": 1, "b": 2}, workdir))
-    )
-    results["baseline_model"] = stats(
-        await timed(
-            n_base // 2,
-            lambda: baseline_call(ADD_SOURCE, "add", {"a": 1, "b": 2}, workdir, with_model=True),
-        )
-    )
-    log(f"kernelexec: {n} warm call_tool calls")
-    async with kx.AsyncKernelExecutor() as ex:
-        s = await ex.session("warm")
-        for _ in range(20):
-            r = await s.call_tool(tool, {"a": 1, "b": 2})
-            assert r.func_return == 3, r
-        results["call_tool_warm"] = stats(
-            await timed(n, lambda: s.call_tool(tool, {"a": 1, "b": 2}))
-        )
-        await s.run_code(ADD_SOURCE)
-        results["run_code_warm"] = stats(await timed(n, lambda: s.run_code("add(1, 2)")))
-    log(f"kernelexec: {n} warm call_tool calls with the kernel-side fast paths off")
-    os.environ["KERNELEXEC_NO_FAST_PATHS"] = "1"
-    try:
-        async with kx.AsyncKernelExecutor() as ex:
-            s = await ex.session("stock")
-            for _ in range(20):
-                await s.call_tool(tool, {"a": 1, "b": 2})
-            results["call_tool_warm_no_fast_paths"] = stats(
-                await timed(n, lambda: s.call_tool(tool, {"a": 1, "b": 2}))
-            )
-    finally:
-        del os.environ["KERNELEXEC_NO_FAST_PATHS"]
-    log(f"kernelexec: {n // 2} warm calls through the blocking KernelExecutor")
-    results["call_tool_warm_sync"] = stats(await asyncio.to_thread(sync_calls, tool, n // 2))
-    log(f"floor: {n} bare jupyter-client executes")
-    results["floor_jupyter_client"] = stats(await bare_client_floor(n))
-    log(f"floor: {n} raw shell-only executes (reply with user_expressions, no iopub)")
-    results["floor_shell_only"] = stats(await bare_client_floor(n, shell_only=True))
-    log(f"peer: {n // 2} warm nbclient execute_cell calls")
-    results["nbclient_peer"] = stats(await nbclient_peer(n // 2))
+    args = {"a": 1, "b": 2}
+    log(f"warm rows: {ROUNDS} interleaved rounds, {n} calls per kernelexec row in total")
+    async with contextlib.AsyncExitStack() as stack:
+        ex = await stack.enter_async_context(kx.AsyncKernelExecutor())
+        fast = await ex.session("warm")
+        os.environ["KERNELEXEC_NO_FAST_PATHS"] = "1"
+        try:
+            stock_ex = await stack.enter_async_context(kx.AsyncKernelExecutor())
+            stock = await stock_ex.session("stock")
+            await stock.run_code("0")  # start its kernel while the variable is set
+        finally:
+            del os.environ["KERNELEXEC_NO_FAST_PATHS"]
+        sync_ex = stack.enter_context(kx.KernelExecutor())
+        sync = sync_ex.session("sync")
+        floor = await stack.enter_async_context(bare_client(shell_only=False))
+        shell = await stack.enter_async_context(bare_client(shell_only=True))
+        peer = await stack.enter_async_context(nbclient_peer())
+        await fast.run_code(ADD_SOURCE)
+
+        async def sync_call() -> None:
+            await asyncio.to_thread(sync.call_tool, tool, args)
+
+        variants: dict[str, tuple[Callable[[], Awaitable[Any]], int]] = {
+            "baseline": (lambda: baseline_call(ADD_SOURCE, "add", args, workdir), n_base),
+            "baseline_model": (
+                lambda: baseline_call(ADD_SOURCE, "add", args, workdir, with_model=True),
+                n_base // 2,
+            ),
+            "call_tool_warm": (lambda: fast.call_tool(tool, args), n),
+            "call_tool_warm_no_fast_paths": (lambda: stock.call_tool(tool, args), n),
+            "call_tool_warm_sync": (sync_call, n // 2),
+            "run_code_warm": (lambda: fast.run_code("add(1, 2)"), n // 2),
+            "floor_jupyter_client": (floor, n),
+            "floor_shell_only": (shell, n),
+            "nbclient_peer": (peer, n // 2),
+        }
+        for fn, _ in variants.values():  # warm every path up
+            for _ in range(3):
+                await fn()
+        samples: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(ROUNDS):
+            for name, (fn, total) in variants.items():
+                samples[name] += await timed(max(1, total // ROUNDS), fn)
+        for name, values in samples.items():
+            results[name] = stats(values)
 
 
-def sync_calls(tool: kx.Tool, n: int) -> list[float]:
-    """Warm calls through the blocking facade (one loop thread, one call at a time)."""
-    samples = []
-    with kx.KernelExecutor() as ex:
-        s = ex.session("sync")
-        for _ in range(20):
-            s.call_tool(tool, {"a": 1, "b": 2})
-        for _ in range(n):
-            t0 = time.perf_counter()
-            s.call_tool(tool, {"a": 1, "b": 2})
-            samples.append(time.perf_counter() - t0)
-    return samples
-
-
-async def nbclient_peer(n: int) -> list[float]:
-    """The peer approach: an nbclient NotebookClient executing a cell per call (warm kernel),
-    as notebook-driven executors (AutoGen's Jupyter executor family) do."""
-    import nbformat
-    from nbclient import NotebookClient
-
-    from kernelexec.backends._local import _KERNEL_FLAGS
-
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(ADD_SOURCE), nbformat.v4.new_code_cell("add(1, 2)")]
-    client = NotebookClient(nb, timeout=30, kernel_name="python3")
-    client.extra_arguments = list(_KERNEL_FLAGS)
-    async with client.async_setup_kernel():
-        await client.async_execute_cell(nb.cells[0], 0)
-
-        async def one() -> None:
-            cell = nb.cells[1]
-            cell.outputs = []
-            await client.async_execute_cell(cell, 1)
-            assert cell.outputs[0]["data"]["text/plain"] == "3"
-
-        for _ in range(20):
-            await one()
-        return await timed(n, one)
-
-
-async def bare_client_floor(n: int, shell_only: bool = False) -> list[float]:
+@contextlib.asynccontextmanager
+async def bare_client(shell_only: bool) -> AsyncIterator[Callable[[], Awaitable[None]]]:
     """A stock AsyncKernelClient execute of the same code, iopub drained until idle.
 
     The kernel gets the same flags kernelexec's local backend uses, so the difference between
@@ -274,14 +243,36 @@ async def bare_client_floor(n: int, shell_only: bool = False) -> list[float]:
                     break
             await kc.get_shell_msg(timeout=30)
 
-        fn = shell if shell_only else one
-        for _ in range(20):
-            await fn()
-        return await timed(n, fn)
+        yield shell if shell_only else one
     finally:
         kc.stop_channels()
         await km.shutdown_kernel(now=True)
         shutil.rmtree(sockdir, ignore_errors=True)
+
+
+@contextlib.asynccontextmanager
+async def nbclient_peer() -> AsyncIterator[Callable[[], Awaitable[None]]]:
+    """The peer approach: an nbclient NotebookClient executing a cell per call (warm kernel),
+    as notebook-driven executors (AutoGen's Jupyter executor family) do."""
+    import nbformat
+    from nbclient import NotebookClient
+
+    from kernelexec.backends._local import _KERNEL_FLAGS
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(ADD_SOURCE), nbformat.v4.new_code_cell("add(1, 2)")]
+    client = NotebookClient(nb, timeout=30, kernel_name="python3")
+    client.extra_arguments = list(_KERNEL_FLAGS)
+    async with client.async_setup_kernel():
+        await client.async_execute_cell(nb.cells[0], 0)
+
+        async def one() -> None:
+            cell = nb.cells[1]
+            cell.outputs = []
+            await client.async_execute_cell(cell, 1)
+            assert cell.outputs[0]["data"]["text/plain"] == "3"
+
+        yield one
 
 
 async def bench_first_call(results: dict[str, Any], rounds: int) -> None:
