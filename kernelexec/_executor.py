@@ -10,7 +10,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from kernelexec._models import Execution, ToolResult
 from kernelexec._pool import KernelPool
 from kernelexec._record import SessionRecorder, safe_filename
 from kernelexec._session import REPORT_EXPRESSION, AsyncSession
+from kernelexec._tempdirs import make_owned_dir, sweep_once
 from kernelexec._tools import Tool
 from kernelexec.backends._base import ExecuteRequest, KernelBackend
 from kernelexec.backends._local import LocalBackend
@@ -140,8 +140,9 @@ class AsyncKernelExecutor:
         if self._state is _State.OPEN:
             return
         cfg = self.config
+        sweep_once()  # what killed hosts left in the temp dir (once per process; quick)
         if cfg.workdir is None:
-            self._workdir = Path(tempfile.mkdtemp(prefix="kernelexec-"))
+            self._workdir = Path(make_owned_dir("kernelexec-"))
             self._own_workdir = True
         else:
             self._workdir = Path(cfg.workdir)

@@ -5,12 +5,16 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import subprocess
+import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
 import kernelexec as kx
+from kernelexec._tempdirs import OWNER_FILE, _start_time, sweep_stale
 
 # 5. timeouts -------------------------------------------------------------------------------
 
@@ -273,3 +277,22 @@ async def test_a_cancelled_call_interrupts_the_kernel() -> None:
         after = await s.run_code("kept", timeout=10)
         assert after.ok, after.error
         assert after.result == "5"
+
+
+def test_stale_dirs_of_dead_owners_are_swept(tmp_path: Path) -> None:
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    cases = {
+        "kx-dead": f"{dead.pid} 1\n",  # owner gone
+        "kernelexec-reused": f"{os.getpid()} 999999999\n",  # pid alive, but another process
+        "kx-alive": f"{os.getpid()} {_start_time(os.getpid())}\n",
+        "kx-unowned": None,  # not made by this version: left alone
+        "other-dead": f"{dead.pid} 1\n",  # not ours by name
+    }
+    for name, owner in cases.items():
+        (tmp_path / name).mkdir()
+        if owner is not None:
+            (tmp_path / name / OWNER_FILE).write_text(owner)
+    removed = sweep_stale(str(tmp_path))
+    assert sorted(Path(p).name for p in removed) == ["kernelexec-reused", "kx-dead"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kx-alive", "kx-unowned", "other-dead"]

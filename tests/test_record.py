@@ -320,6 +320,18 @@ def test_host_killed_mid_session_leaves_the_completed_runs(tmp_path: Path) -> No
     while time.monotonic() < deadline and _kernels_under(tmp):
         time.sleep(0.2)
     assert not _kernels_under(tmp)
+    # The killed host's temporary directories are swept by the next kernelexec process.
+    left = sorted(p.name.split("-")[0] for p in tmp.iterdir())
+    assert left == ["kernelexec", "kx"]
+    after = subprocess.run(
+        [sys.executable, "-m", "kernelexec", "exec", "1"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert after.returncode == 0, after.stderr
+    assert list(tmp.iterdir()) == []
 
 
 def _kernels_under(tmp: Path) -> list[int]:

@@ -16,7 +16,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import deque
 from typing import IO, Any
@@ -27,6 +26,7 @@ from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
 from kernelexec._exceptions import KernelStartError
+from kernelexec._tempdirs import make_owned_dir
 from kernelexec.backends._base import ExecuteRequest, KernelBackend, KernelConnection, KernelMessage
 
 # Flags that trim start-up: no history database (nothing written under ~/.ipython), and the
@@ -127,7 +127,7 @@ class LocalConnection(KernelConnection):
         """Start the process in a fresh private directory and wait until it answers."""
         self._start_timeout = timeout
         # Short paths: ipc socket names must fit in sun_path (108 bytes).
-        self._dir = tempfile.mkdtemp(prefix="kx-")
+        self._dir = make_owned_dir("kx-")
         spec = KernelSpec(
             argv=[
                 self._python,

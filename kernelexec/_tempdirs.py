@@ -1,0 +1,81 @@
+"""Private temporary directories that carry their owner, so a killed host's leftovers are swept.
+
+A host killed with SIGKILL cannot clean up; its kernels exit on their own (ipykernel polls its
+parent) but their directories stay. Every directory kernelexec creates under the temp dir holds
+an ``.owner`` file (pid and process start time); the first executor started in a process removes
+the directories whose owner is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+PREFIXES = ("kx-", "kernelexec-")
+OWNER_FILE = ".owner"
+_swept = False
+
+
+def _start_time(pid: int) -> str:
+    """The process start time (clock ticks since boot) on Linux, else ''."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return ""
+    return stat.rsplit(")", 1)[1].split()[19]
+
+
+def _alive(pid: int, start: str) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return not start or _start_time(pid) in ("", start)  # a reused pid has another start time
+
+
+def make_owned_dir(prefix: str) -> str:
+    """``tempfile.mkdtemp(prefix=...)`` (mode 0700) with an ``.owner`` file naming this process."""
+    path = tempfile.mkdtemp(prefix=prefix)
+    pid = os.getpid()
+    Path(path, OWNER_FILE).write_text(f"{pid} {_start_time(pid)}\n")
+    return path
+
+
+def sweep_stale(root: str | None = None) -> list[str]:
+    """Remove kernelexec directories under ``root`` (default: the temp dir) whose owner process
+    is gone. Directories without an owner file, or of other users, are left alone."""
+    root = root or tempfile.gettempdir()
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(root))
+    except OSError:
+        return removed
+    uid = os.getuid() if hasattr(os, "getuid") else None
+    for entry in entries:
+        if not entry.name.startswith(PREFIXES):
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            if not entry.is_dir(follow_symlinks=False):
+                continue
+            if uid is not None and entry.stat(follow_symlinks=False).st_uid != uid:
+                continue
+            parts = Path(entry.path, OWNER_FILE).read_text().split()
+            pid, start = int(parts[0]), (parts[1] if len(parts) > 1 else "")
+            if not _alive(pid, start):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+    return removed
+
+
+def sweep_once() -> list[str]:
+    """:func:`sweep_stale` the first time it is called in this process."""
+    global _swept
+    if _swept:
+        return []
+    _swept = True
+    return sweep_stale()
