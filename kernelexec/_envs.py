@@ -229,6 +229,16 @@ def _venv_python(root: Path) -> Path:
     return root / ("Scripts/python.exe" if os.name == "nt" else "bin/python")
 
 
+def _built_env(fingerprint: str, target: Path, built: bool, start: float) -> BuiltEnv:
+    return BuiltEnv(
+        fingerprint=fingerprint,
+        path=target,
+        python=_venv_python(target),
+        built=built,
+        seconds=time.monotonic() - start,
+    )
+
+
 def find_uv() -> str | None:
     """The ``uv`` executable of the ``uv`` package, if installed."""
     try:
@@ -305,27 +315,15 @@ class EnvBuilder:
                 await self._build(env, fingerprint, target, start)
             finally:
                 file_lock.release()
-        seconds = time.monotonic() - start
-        self._emit(fingerprint, "done", f"built {target} in {seconds:.1f} s", start)
-        return BuiltEnv(
-            fingerprint=fingerprint,
-            path=target,
-            python=_venv_python(target),
-            built=True,
-            seconds=seconds,
-        )
+        built = _built_env(fingerprint, target, True, start)
+        self._emit(fingerprint, "done", f"built {target} in {built.seconds:.1f} s", start)
+        return built
 
     def _reused(self, fingerprint: str, target: Path, start: float) -> BuiltEnv:
         with contextlib.suppress(OSError):
             os.utime(target / ENV_INFO)  # last used, for `kernelexec env prune --older-than`
         self._emit(fingerprint, "reused", f"using {target}", start)
-        return BuiltEnv(
-            fingerprint=fingerprint,
-            path=target,
-            python=_venv_python(target),
-            built=False,
-            seconds=time.monotonic() - start,
-        )
+        return _built_env(fingerprint, target, False, start)
 
     def _emit(self, fingerprint: str, phase: str, message: str, start: float) -> None:
         if self.on_progress is not None:
