@@ -20,6 +20,8 @@ def pytest_configure(config: pytest.Config) -> None:
     global _TEMP_ROOT
     _TEMP_ROOT = tempfile.mkdtemp(prefix="kxtest-")
     tempfile.tempdir = _TEMP_ROOT
+    # No test may build venvs in the user's cache: by default they go under the temp root.
+    os.environ["KERNELEXEC_CACHE_DIR"] = os.path.join(_TEMP_ROOT, "cache")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
