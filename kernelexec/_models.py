@@ -6,6 +6,7 @@ recording a run as a notebook cell is a mapping, not a translation.
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -118,3 +119,17 @@ class ToolResult(Execution):
     func_return: Any = None
     agent_state: Any = None
     sandbox_config_fingerprint: str | None = None
+
+    def _repr_markdown_(self) -> str:
+        head = f"**{self.status}** in {self.duration_s * 1000:.1f} ms"
+        parts = [head]
+        if self.error is not None:
+            parts.append(f"{self.error.kind}: `{self.error.ename}: {self.error.evalue}`")
+        else:
+            value = json.dumps(self.func_return, ensure_ascii=False, indent=2, default=str)
+            parts.append(f"func_return:\n```json\n{value}\n```")
+        if self.stdout:
+            parts.append(f"stdout:\n```\n{self.stdout}\n```")
+        if self.stderr:
+            parts.append(f"stderr:\n```\n{self.stderr}\n```")
+        return "\n\n".join(parts)

@@ -132,3 +132,13 @@ def test_args_json_schema_takes_precedence() -> None:
     assert tool.validate_args({"n": -1}) == ["argument 'n': -1 is less than the minimum of 0"]
     assert tool.validate_args({"n": 1, "m": 2}) == ["unexpected argument 'm'"]
     assert tool.validate_args([1]) == ["arguments must be a JSON object, got list"]
+
+
+def test_tool_result_shows_itself_in_a_notebook() -> None:
+    ok = kx.ToolResult(status="success", func_return={"n": 2**70}, stdout="hi\n", duration_s=0.0032)
+    text = ok._repr_markdown_()
+    assert text.startswith("**success** in 3.2 ms")
+    assert f'"n": {2**70}' in text and "stdout:\n```\nhi\n" in text
+    error = kx.ExecError(kind="exception", ename="KeyError", evalue="'x'")
+    failed = kx.ToolResult(status="error", error=error)._repr_markdown_()
+    assert "exception: `KeyError: 'x'`" in failed and "func_return" not in failed
