@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelexec._envs import EnvBuilder, VenvEnv, default_cache_dir, list_envs, prune_envs
-from kernelexec._exceptions import ConfigError, KernelExecError
+from kernelexec._exceptions import ConfigError, EnvSetupError, KernelExecError
 from kernelexec._models import Execution
 from kernelexec._progress import ProgressDisplay
 from kernelexec._sync import KernelExecutor
@@ -211,7 +211,13 @@ def _cmd_env(ns: argparse.Namespace) -> int:
         return EXIT_OK
     env = _venv(ns.requirements, ns.python)
     builder = EnvBuilder(cache, ns.installer, ProgressDisplay())
-    built = asyncio.run(builder.ensure(env))
+    try:
+        built = asyncio.run(builder.ensure(env))
+    except EnvSetupError as exc:
+        if ns.json:
+            print(json.dumps({"error": {"kind": "env_setup_failed", "message": str(exc)}}))
+        print(f"kernelexec: {exc}", file=sys.stderr)
+        return EXIT_FAILED
     if ns.json:
         print(built.model_dump_json())
     else:

@@ -207,6 +207,17 @@ def test_failing_requirement_gives_env_setup_failed_and_leaves_nothing(
     ]
     fingerprint = kx.VenvEnv(requirements=[str(broken)]).fingerprint
     assert entries(tmp_path) == [f".{fingerprint}.lock"]  # no directory, half-made or not
+    cli = subprocess.run(
+        [sys.executable, "-m", "kernelexec", "env", "build", str(broken), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "KERNELEXEC_CACHE_DIR": str(tmp_path)},
+    )
+    assert cli.returncode == 1
+    error = json.loads(cli.stdout)["error"]
+    assert error["kind"] == "env_setup_failed" and "kxbroken" in error["message"]
+    assert entries(tmp_path) == [f".{fingerprint}.lock"]
     with (
         pytest.raises(kx.EnvSetupError, match="kxbroken"),
         kx.KernelExecutor(cache_dir=tmp_path) as ex,
