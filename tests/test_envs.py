@@ -160,13 +160,32 @@ async def test_concurrent_builds_in_one_process_build_once(wheel_dir: Path, tmp_
 
 def test_concurrent_builds_in_two_processes_build_once(wheel_dir: Path, tmp_path: Path) -> None:
     wheel = make_wheel(wheel_dir, "kxrace", "1.0", "VERSION = '1.0'\n")
-    argv = [sys.executable, "-m", "kernelexec", "env", "build", f"kxrace @ file://{wheel}"]
-    argv += ["--json"]
+    go = tmp_path / "go"
+    # Both processes import kernelexec first, then start building at the same moment.
+    script = textwrap.dedent(
+        f"""
+        import os, sys, time
+        from kernelexec._cli import main
+        sys.stderr.write("ready\\n"); sys.stderr.flush()
+        while not os.path.exists({str(go)!r}):
+            time.sleep(0.002)
+        sys.exit(main(["env", "build", "kxrace @ file://{wheel}", "--json"]))
+        """
+    )
     env = {**os.environ, "KERNELEXEC_CACHE_DIR": str(tmp_path)}  # the variable picks the cache
     procs = [
-        subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+        subprocess.Popen(
+            [sys.executable, "-c", script],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
         for _ in range(2)
     ]
+    for proc in procs:
+        assert proc.stderr is not None and proc.stderr.readline() == "ready\n"
+    go.touch()
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     results = [json.loads(out) for out, _ in outs]
