@@ -7,7 +7,7 @@ The async core is :class:`AsyncKernelExecutor` / :class:`AsyncSession`; :class:`
 """
 
 from kernelexec._config import ExecutorConfig
-from kernelexec._envs import BuiltEnv, EnvBuilder, EnvProgress, LocalEnv, VenvEnv
+from kernelexec._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import (
     ConfigError,
     EnvSetupError,
@@ -27,6 +27,7 @@ from kernelexec._replay import CellDifference, ReplayReport, areplay
 from kernelexec._session import AsyncSession
 from kernelexec._sync import KernelExecutor, Session, replay
 from kernelexec._tools import Tool
+from kernelexec._venv_builder import BuiltEnv, EnvBuilder, EnvProgress
 
 __version__ = "0.1.0"
 

@@ -14,12 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kernelexec._envs import EnvBuilder, VenvEnv, default_cache_dir, list_envs, prune_envs
+from kernelexec._envs import VenvEnv, default_cache_dir
 from kernelexec._exceptions import ConfigError, EnvSetupError, KernelExecError
 from kernelexec._models import Execution
 from kernelexec._progress import ProgressDisplay
 from kernelexec._sync import KernelExecutor
 from kernelexec._tools import Tool
+from kernelexec._venv_builder import EnvBuilder, list_envs, prune_envs
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 

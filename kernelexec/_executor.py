@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelexec._config import ExecutorConfig, make_config
-from kernelexec._envs import EnvBuilder, LocalEnv, ProgressCallback, VenvEnv
+from kernelexec._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError, ExecutorClosedError
 from kernelexec._models import Execution, ToolResult
 from kernelexec._pool import KernelPool
@@ -22,6 +22,7 @@ from kernelexec._record import SessionRecorder, safe_filename
 from kernelexec._session import REPORT_EXPRESSION, AsyncSession
 from kernelexec._tempdirs import make_owned_dir, sweep_once
 from kernelexec._tools import Tool
+from kernelexec._venv_builder import EnvBuilder, ProgressCallback
 from kernelexec.backends._base import ExecuteRequest, KernelBackend
 from kernelexec.backends._local import LocalBackend
 
