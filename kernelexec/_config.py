@@ -5,7 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from kernelexec._envs import Env, LocalEnv
 from kernelexec._exceptions import ConfigError
@@ -60,6 +67,11 @@ class ExecutorConfig(BaseModel):
     cache_dir: Path | None = None
     installer: Literal["auto", "uv", "pip"] = "auto"
     record_dir: Path | None = None
+
+    @field_validator("workdir", "record_dir", "cache_dir")
+    @classmethod
+    def _expand_user(cls, value: Path | None) -> Path | None:
+        return value.expanduser() if value is not None else None
 
     @model_validator(mode="after")
     def _check(self) -> ExecutorConfig:

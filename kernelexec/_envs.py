@@ -33,7 +33,9 @@ _python_versions: dict[str, str] = {}
 def default_cache_dir() -> Path:
     """``$KERNELEXEC_CACHE_DIR``, else the platform's user cache dir (``~/.cache/kernelexec``)."""
     from_env = os.environ.get(CACHE_ENV_VAR)
-    return Path(from_env) if from_env else Path(platformdirs.user_cache_dir("kernelexec"))
+    return (
+        Path(from_env).expanduser() if from_env else Path(platformdirs.user_cache_dir("kernelexec"))
+    )
 
 
 def base_python() -> str:

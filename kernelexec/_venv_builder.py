@@ -110,7 +110,7 @@ class EnvBuilder:
         installer: Literal["auto", "uv", "pip"] = "auto",
         on_progress: ProgressCallback | None = None,
     ) -> None:
-        self.cache_dir = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+        self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self.installer = installer
         self.on_progress = on_progress
         self._locks: dict[str, asyncio.Lock] = {}

@@ -315,3 +315,11 @@ def test_real_package_from_the_index(tmp_path: Path) -> None:
         result = ex.call_tool(tool)
     assert result.ok, result.error
     assert result.func_return == "1.16.0"
+
+
+def test_cache_paths_expand_the_home_directory(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("HOME", "/home/someone")
+    config = kx.ExecutorConfig(cache_dir="~/kx-cache", record_dir="~/runs")
+    assert str(config.cache_dir) == "/home/someone/kx-cache"
+    assert str(config.record_dir) == "/home/someone/runs"
+    assert str(kx.EnvBuilder("~/c").cache_dir) == "/home/someone/c"
