@@ -330,7 +330,7 @@ class AsyncKernelExecutor:
         sessions = list(self._sessions.values())
         self._sessions.clear()
         for session in sessions:
-            session._closed = True
+            session.mark_closed()
         pools = list(self._pools.values())
         self._pools.clear()
         await asyncio.shield(asyncio.gather(*(p.aclose() for p in pools)))

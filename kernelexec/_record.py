@@ -14,6 +14,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import filelock
 import nbformat
 from nbformat import NotebookNode
 
@@ -128,7 +129,29 @@ class SessionRecorder:
         self._defined: dict[str, str] = {}  # tool name -> digest of the recorded definition
         self.generation = 0  # counts the kernels the session has had
         self._recorded_generation = -1  # the kernel of the last recorded cell
-        self.notebook = self._load_or_create(fingerprint, env or {"kind": "local"})
+        self._lock: filelock.FileLock | None = None
+        if path is not None:
+            # Two writers of one file would each drop the other's cells: one recorder a file.
+            lock = filelock.FileLock(str(path.parent / f".{path.name}.lock"), thread_local=False)
+            try:
+                lock.acquire(timeout=0)
+            except filelock.Timeout:
+                raise ConfigError(
+                    f"{path} is being recorded by another session (another executor or "
+                    "process with the same record_dir and agent id)"
+                ) from None
+            self._lock = lock
+        try:
+            self.notebook = self._load_or_create(fingerprint, env or {"kind": "local"})
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Let another session record to this file (the notebook stays as saved)."""
+        lock, self._lock = self._lock, None
+        if lock is not None:
+            lock.release()
 
     def _load_or_create(self, fingerprint: str, env: dict[str, Any]) -> NotebookNode:
         if self.path is not None and self.path.exists():

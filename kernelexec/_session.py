@@ -245,10 +245,16 @@ class AsyncSession:
 
     async def aclose(self) -> None:
         """Shut the session's kernel down; later calls raise ``ExecutorClosedError``."""
-        self._closed = True
+        self.mark_closed()
         conn, self._conn = self._conn, None
         if conn is not None and self._pool is not None:
             await self._pool.discard(conn)
+
+    def mark_closed(self) -> None:
+        """Refuse further calls and release the recording's file (used by the executor)."""
+        self._closed = True
+        if self._recorder is not None:
+            self._recorder.close()
 
     # -- used by the pool -------------------------------------------------------------------
 

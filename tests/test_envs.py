@@ -137,7 +137,7 @@ def test_executor_default_env_and_sessions_per_env(
         assert local is not ex.session("b")
         assert local.run_code("x").error.ename == "NameError"  # type: ignore[union-attr]
         assert ex.run_code("x", agent_id="b").result == "'1.2.3'"
-    names = sorted(p.name for p in tmp_path.iterdir())
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
     assert names == ["b.ipynb", f"b@{kx.LocalEnv().fingerprint[:8]}.ipynb"]
     nb = nbformat.read(tmp_path / "b.ipynb", as_version=4)
     assert nb.metadata["kernelexec"]["env"]["requirements"] == [str(kxdemo)]

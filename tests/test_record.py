@@ -232,6 +232,23 @@ def test_existing_recording_is_continued_not_overwritten(tmp_path: Path) -> None
     assert (tmp_path / "broken.ipynb").read_text() == "{not json"
 
 
+def test_one_recorder_per_file(tmp_path: Path) -> None:
+    first = kx.KernelExecutor(record_dir=tmp_path)
+    try:
+        first.run_code("a = 1", agent_id="shared")
+        with kx.KernelExecutor(record_dir=tmp_path) as second:
+            with pytest.raises(kx.ConfigError, match="being recorded by another session"):
+                second.session("shared")
+            second.run_code("b = 2", agent_id="other")  # other agents are fine
+        first.run_code("a", agent_id="shared")
+    finally:
+        first.close()
+    with kx.KernelExecutor(record_dir=tmp_path) as third:  # free again: continues the file
+        third.run_code("c = 3", agent_id="shared")
+    nb = nbformat.read(tmp_path / "shared.ipynb", as_version=4)
+    assert [c.source for c in nb.cells] == ["a = 1", "a", "c = 3"]
+
+
 def test_replay_restarts_where_the_session_lost_its_kernel(tmp_path: Path) -> None:
     with kx.KernelExecutor(record_dir=tmp_path) as ex:
         session = ex.session("r")
@@ -314,7 +331,8 @@ def test_host_killed_mid_session_leaves_the_completed_runs(tmp_path: Path) -> No
     nbformat.validate(nb)
     assert [c.source for c in nb.cells] == [f"value_{i} = {i}; print({i})" for i in range(3)]
     assert [c.outputs[0]["text"] for c in nb.cells] == ["0\n", "1\n", "2\n"]
-    assert not [p for p in record_dir.iterdir() if p.name != "crash.ipynb"]  # no temp files
+    # No temp file of an interrupted save; the lock file of the dead recorder is free again.
+    assert sorted(p.name for p in record_dir.iterdir()) == [".crash.ipynb.lock", "crash.ipynb"]
     # The orphaned kernel notices its parent is gone and exits (ipykernel's parent poller).
     deadline = time.monotonic() + 15
     while time.monotonic() < deadline and _kernels_under(tmp):
