@@ -130,6 +130,7 @@ class SessionRecorder:
         self.generation = 0  # counts the kernels the session has had
         self._recorded_generation = -1  # the kernel of the last recorded cell
         self._lock: filelock.FileLock | None = None
+        self._cell_json: list[str] = []  # each recorded cell, serialised once
         if path is not None:
             # Two writers of one file would each drop the other's cells: one recorder a file.
             lock = filelock.FileLock(str(path.parent / f".{path.name}.lock"), thread_local=False)
@@ -290,10 +291,35 @@ class SessionRecorder:
         self.notebook.cells.append(self._cell(source, fields["outputs"], count, meta))
 
     def save(self) -> None:
-        """Write the notebook to its file atomically (no-op when kept in memory)."""
+        """Write the notebook to its file atomically (no-op when kept in memory).
+
+        Recorded cells never change, so each is serialised once and kept; a save joins the
+        pieces. ``nbformat.writes`` re-validates and re-encodes the whole notebook every time
+        (52 ms at 500 cells, measured), which made a recorded call cost more with every call.
+        """
         if self.path is None:
             return
-        write_atomic(self.path, nbformat.writes(self.notebook))
+        cells = self.notebook.cells
+        for cell in cells[len(self._cell_json) :]:
+            self._cell_json.append(_indented(_dumps(cell), "  "))
+        metadata = _indented(_dumps(self.notebook.metadata), " ").lstrip()
+        text = (
+            '{\n "cells": [\n'
+            + ",\n".join(self._cell_json)
+            + f'\n ],\n "metadata": {metadata},\n'
+            + f' "nbformat": {self.notebook.nbformat},\n'
+            + f' "nbformat_minor": {self.notebook.nbformat_minor}\n}}\n'
+        )
+        write_atomic(self.path, text)
+
+
+def _dumps(value: Any) -> str:
+    # nbformat's own layout: one-space indent, sorted keys, unicode kept.
+    return json.dumps(value, indent=1, sort_keys=True, ensure_ascii=False)
+
+
+def _indented(text: str, prefix: str) -> str:
+    return "\n".join(prefix + line for line in text.split("\n"))
 
 
 def state_json(agent_state: Any) -> Any:
