@@ -165,6 +165,10 @@ async def bench_warm(results: dict[str, Any], n: int, n_base: int, workdir: str)
             await stock.run_code("0")  # start its kernel while the variable is set
         finally:
             del os.environ["KERNELEXEC_NO_FAST_PATHS"]
+        rec_ex = await stack.enter_async_context(
+            kx.AsyncKernelExecutor(record_dir=os.path.join(workdir, "recordings"))
+        )
+        recorded = await rec_ex.session("recorded")
         sync_ex = stack.enter_context(kx.KernelExecutor())
         sync = sync_ex.session("sync")
         floor = await stack.enter_async_context(bare_client(shell_only=False))
@@ -184,6 +188,7 @@ async def bench_warm(results: dict[str, Any], n: int, n_base: int, workdir: str)
             "call_tool_warm": (lambda: fast.call_tool(tool, args), n),
             "call_tool_warm_no_fast_paths": (lambda: stock.call_tool(tool, args), n),
             "call_tool_warm_sync": (sync_call, n // 2),
+            "call_tool_warm_recorded": (lambda: recorded.call_tool(tool, args), n),
             "run_code_warm": (lambda: fast.run_code("add(1, 2)"), n // 2),
             "floor_jupyter_client": (floor, n),
             "floor_shell_only": (shell, n),
@@ -418,6 +423,7 @@ def table(results: dict[str, Any]) -> str:
         ("call_tool_warm", "kernelexec call_tool, warm"),
         ("call_tool_warm_sync", "kernelexec call_tool, warm, blocking KernelExecutor"),
         ("call_tool_warm_no_fast_paths", "kernelexec call_tool, warm, kernel fast paths off"),
+        ("call_tool_warm_recorded", "kernelexec call_tool, warm, recorded (1,000+ cells)"),
         ("run_code_warm", "kernelexec run_code `add(1, 2)`, warm"),
         ("first_call_prewarm", "first call of a new session, prewarm=1"),
         ("first_call_cold", "first call of a new session, no prewarm"),
