@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import logging
 import signal
 import time
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,8 @@ from kernelexec.backends._base import ExecuteRequest, KernelConnection
 
 if TYPE_CHECKING:
     from kernelexec._pool import KernelPool
+
+log = logging.getLogger("kernelexec")
 
 RESULT_MIME = "application/vnd.kernelexec.result+json"
 _MODULE = "__import__('__kernelexec__')"
@@ -273,7 +276,12 @@ class AsyncSession:
     async def _save(self) -> None:
         assert self._recorder is not None
         # Off the event loop (other sessions keep running), still under this session's lock.
-        await asyncio.to_thread(self._recorder.save)
+        try:
+            await asyncio.to_thread(self._recorder.save)
+        except OSError as exc:
+            # The run's result is not lost over the file: the notebook stays complete in memory
+            # and the next save writes it whole.
+            log.warning("could not save the recording %s: %s", self._recorder.path, exc)
 
     def _check_open(self) -> None:
         if self._closed:
@@ -303,11 +311,12 @@ class AsyncSession:
             conn = await self._pool.acquire()
             self._conn = conn
             self._names = []
-            await self._configure(conn)
+            self._kernel_attached()
         return conn, lost
 
-    async def _configure(self, conn: KernelConnection) -> None:
-        # Sent with the next request instead of on its own: one round trip less per new kernel.
+    def _kernel_attached(self) -> None:
+        # The session's settings go with the next request instead of on their own: one round
+        # trip less per new kernel.
         self._pending_config = {"cwd": str(self.workdir)}
         if self._recorder is not None:
             self._recorder.kernel_started(None)
@@ -318,7 +327,7 @@ class AsyncSession:
         if old is not None:
             assert self._pool is not None
             self._conn = await self._pool.replace(old)
-            await self._configure(self._conn)
+            self._kernel_attached()
 
     async def _run(
         self, request: ExecuteRequest, timeout: float | None, callbacks: Callbacks

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -230,6 +231,25 @@ def test_existing_recording_is_continued_not_overwritten(tmp_path: Path) -> None
     ):
         ex.session("broken")
     assert (tmp_path / "broken.ipynb").read_text() == "{not json"
+
+
+def test_a_failed_save_keeps_the_result_and_the_next_save_writes_everything(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    record_dir = tmp_path / "rec"
+    with kx.KernelExecutor(record_dir=record_dir) as ex:
+        assert ex.run_code("x = 1", agent_id="s").ok
+        shutil.rmtree(record_dir)
+        record_dir.write_text("in the way")  # the directory is gone: saving must fail
+        with caplog.at_level("WARNING", logger="kernelexec"):
+            lost = ex.run_code("x + 1", agent_id="s")
+        assert lost.result == "2"  # the run's result is not lost over the file
+        assert "could not save the recording" in caplog.text
+        record_dir.unlink()
+        record_dir.mkdir()
+        assert ex.run_code("x + 2", agent_id="s").result == "3"
+    nb = nbformat.read(record_dir / "s.ipynb", as_version=4)
+    assert [c.source for c in nb.cells] == ["x = 1", "x + 1", "x + 2"]
 
 
 def test_one_recorder_per_file(tmp_path: Path) -> None:
