@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import platformdirs
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from kernelexec._exceptions import ConfigError
 
@@ -144,6 +144,8 @@ class VenvEnv(BaseModel):
     python: str | None = None
     path: Path | None = None
 
+    _fingerprint: str | None = PrivateAttr(default=None)
+
     @field_validator("requirements", mode="before")
     @classmethod
     def _normalise(cls, value: Any) -> Any:
@@ -166,12 +168,16 @@ class VenvEnv(BaseModel):
     @property
     def fingerprint(self) -> str:
         """Interpreter version, normalised requirements (local files by content) and
-        kernelexec's own kernel requirement, hashed."""
+        kernelexec's own kernel requirement, hashed (once per value: a local file changed
+        afterwards needs a new ``VenvEnv``)."""
+        if self._fingerprint is not None:
+            return self._fingerprint
         parts = [f"venv|{_LAYOUT}|{python_version(self.interpreter)}|{KERNEL_REQUIREMENT}"]
         for req in self.requirements:
             local = _local_file(req)
             parts.append(f"{req}|sha256={_file_digest(local)}" if local else req)
-        return hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+        self._fingerprint = hashlib.sha256("\n".join(parts).encode()).hexdigest()[:16]
+        return self._fingerprint
 
 
 Env = Annotated[LocalEnv | VenvEnv, Field(discriminator="kind")]

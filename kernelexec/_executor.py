@@ -105,6 +105,7 @@ class AsyncKernelExecutor:
         self._dirs_used: set[str] = set()
         self._pools: dict[str, KernelPool] = {}
         self._pool_locks: dict[str, asyncio.Lock] = {}
+        self._tool_envs: dict[tuple[tuple[str, ...], str | None], VenvEnv] = {}
         self._own_workdir = False
         self._workdir: Path | None = None
         if backend is None:
@@ -227,10 +228,15 @@ class AsyncKernelExecutor:
             return env
         if tool is not None and tool.pip_requirements:
             python = self.env.python if isinstance(self.env, VenvEnv) else None
-            try:
-                return VenvEnv(requirements=tuple(tool.pip_requirements), python=python)
-            except ValueError as exc:
-                raise ConfigError(f"tool {tool.name!r}: bad pip_requirements: {exc}") from None
+            key = (tuple(tool.pip_requirements), python)
+            venv = self._tool_envs.get(key)  # parsed and fingerprinted once, not per call
+            if venv is None:
+                try:
+                    venv = VenvEnv(requirements=key[0], python=python)
+                except ValueError as exc:
+                    raise ConfigError(f"tool {tool.name!r}: bad pip_requirements: {exc}") from None
+                self._tool_envs[key] = venv
+            return venv
         return self.env
 
     async def session(
