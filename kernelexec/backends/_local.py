@@ -195,8 +195,7 @@ class LocalConnection(KernelConnection):
                 raise KernelStartError(
                     f"kernel did not become ready within {timeout:g} s{self._stderr_tail()}"
                 )
-            if not replied or not published:
-                asked.add(str(self._kc.kernel_info()))
+            asked.add(str(self._kc.kernel_info()))
             until = time.monotonic() + 0.1  # resend: a slow-joining iopub misses the first
             while time.monotonic() < until and not (replied and published):
                 msg = await self.receive(max(0.0, until - time.monotonic()))
