@@ -292,6 +292,7 @@ def _cmd_repl(ns: argparse.Namespace) -> int:
             except KeyboardInterrupt:
                 continue
             except EOFError:
+                _report_recording(ex, ns)
                 return EXIT_OK
             code = "\n".join(lines)
             if code.strip():
