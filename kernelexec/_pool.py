@@ -26,6 +26,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kernelexec")
 
+_WARM_TRACEBACKS = ExecuteRequest(
+    code="__import__('__kernelexec__').warm_tracebacks()", silent=True, store_history=False
+)
+
 REFILL_DELAY = 0.2
 """Seconds between handing out a warm kernel and starting its replacement."""
 
@@ -213,6 +217,8 @@ class KernelPool:
             ):
                 try:
                     conn = await self._start()
+                    # Ahead of need there is time for what would slow the first error down.
+                    await run_internal(conn, _WARM_TRACEBACKS, self._start_timeout)
                 except (KernelStartError, ExecutorClosedError) as exc:
                     log.warning("prewarming a kernel failed: %s", exc)
                     break
