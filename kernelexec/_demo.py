@@ -81,7 +81,9 @@ def _show(label: str, result: Execution) -> None:
         _say(f"  {label:<34} ok    {ms:7.1f} ms  -> {value}")
     else:
         assert result.error is not None
-        extra = " (state kept)" if not result.kernel_restarted else " (kernel restarted)"
+        extra = " (kernel restarted)" if result.kernel_restarted else " (state kept)"
+        if "state kept" in result.error.evalue:
+            extra = ""
         _say(
             f"  {label:<34} ERROR {ms:7.1f} ms  -> {result.error.kind}: "
             f"{result.error.ename}: {result.error.evalue[:70]}{extra}"
