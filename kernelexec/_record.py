@@ -157,12 +157,11 @@ class SessionRecorder:
     def _load_or_create(self, fingerprint: str, env: dict[str, Any]) -> NotebookNode:
         if self.path is not None and self.path.exists():
             try:
-                nb = nbformat.read(self.path, as_version=4)
-                nbformat.validate(nb)
-            except Exception as exc:
+                nb = read_notebook(self.path)
+            except NotebookError as exc:
                 raise ConfigError(
                     f"cannot continue the recording {self.path}: it is not a valid notebook "
-                    f"({type(exc).__name__}: {exc}); move it away or choose another record_dir"
+                    f"({exc}); move it away or choose another record_dir"
                 ) from None
             if KEY not in nb.metadata:
                 raise ConfigError(
