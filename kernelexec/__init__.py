@@ -7,7 +7,10 @@ The async core is :class:`AsyncKernelExecutor` / :class:`AsyncSession`; :class:`
 """
 
 from kernelexec._config import ExecutorConfig
-from kernelexec._envs import LocalEnv, VenvEnv
+from kernelexec._core._executor import AsyncKernelExecutor
+from kernelexec._core._session import AsyncSession
+from kernelexec._envs._builder import BuiltEnv, EnvBuilder, EnvProgress
+from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import (
     ConfigError,
     EnvSetupError,
@@ -21,27 +24,24 @@ from kernelexec._exceptions import (
     ToolDefinitionError,
     ToolSchemaWarning,
 )
-from kernelexec._executor import AsyncKernelExecutor
 from kernelexec._models import DEFAULT_ENV_ALLOWLIST, ExecError, Execution, ToolResult
-from kernelexec._replay import CellDifference, ReplayReport, areplay
-from kernelexec._session import AsyncSession
+from kernelexec._notebooks._replay import CellDifference, ReplayReport, areplay
 from kernelexec._sync import KernelExecutor, Session, replay
-from kernelexec._tools import Tool
-from kernelexec._venv_builder import BuiltEnv, EnvBuilder, EnvProgress
+from kernelexec._tools._tool import Tool
 
 __version__ = "0.1.0"
 
 
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext kernelexec``: adds the ``%%tool`` and ``%tool_call`` magics."""
-    from kernelexec._ipython import load
+    from kernelexec._notebooks._magics import load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython: object) -> None:
     """``%unload_ext kernelexec``: shuts the magics' sandbox kernel down."""
-    from kernelexec._ipython import unload
+    from kernelexec._notebooks._magics import unload
 
     unload(ipython)
 

@@ -1,5 +1,5 @@
 """``python -m kernelexec``: the command line."""
 
-from kernelexec._cli import entry
+from kernelexec._cli._main import entry
 
 entry()

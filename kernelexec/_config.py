@@ -14,7 +14,7 @@ from pydantic import (
     model_validator,
 )
 
-from kernelexec._envs import Env, LocalEnv
+from kernelexec._envs._envs import Env, LocalEnv
 from kernelexec._exceptions import ConfigError
 from kernelexec._models import DEFAULT_ENV_ALLOWLIST
 

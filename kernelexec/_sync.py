@@ -16,13 +16,13 @@ from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from kernelexec._envs import LocalEnv, VenvEnv
+from kernelexec._core._executor import DEFAULT_AGENT, AsyncKernelExecutor
+from kernelexec._core._session import AsyncSession
+from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ExecutorClosedError
-from kernelexec._executor import DEFAULT_AGENT, AsyncKernelExecutor
 from kernelexec._models import Execution, ToolResult
-from kernelexec._replay import ReplayReport, areplay
-from kernelexec._session import AsyncSession
-from kernelexec._tools import Tool
+from kernelexec._notebooks._replay import ReplayReport, areplay
+from kernelexec._tools._tool import Tool
 
 T = TypeVar("T")
 

@@ -15,7 +15,7 @@ import nbformat
 import pytest
 
 import kernelexec as kx
-from kernelexec._envs import normalise_requirement
+from kernelexec._envs._envs import normalise_requirement
 from tests.wheels import make_wheel
 
 USE_PACKAGE = textwrap.dedent(
@@ -165,7 +165,7 @@ def test_concurrent_builds_in_two_processes_build_once(wheel_dir: Path, tmp_path
     script = textwrap.dedent(
         f"""
         import os, sys, time
-        from kernelexec._cli import main
+        from kernelexec._cli._main import main
         sys.stderr.write("ready\\n"); sys.stderr.flush()
         while not os.path.exists({str(go)!r}):
             time.sleep(0.002)

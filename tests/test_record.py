@@ -19,8 +19,8 @@ import pytest
 from nbclient import NotebookClient
 
 import kernelexec as kx
-from kernelexec._record import call_source, safe_filename
-from kernelexec._replay import output_lines
+from kernelexec._notebooks._recording import call_source, safe_filename
+from kernelexec._notebooks._replay import output_lines
 
 TOOL_V1 = textwrap.dedent(
     '''

@@ -17,12 +17,12 @@ from collections import deque
 from collections.abc import Callable, Coroutine
 from typing import TYPE_CHECKING, Any
 
+from kernelexec._core._run import run_internal
 from kernelexec._exceptions import ExecutorClosedError, KernelStartError, PoolExhaustedError
-from kernelexec._run import run_internal
 from kernelexec.backends._base import ExecuteRequest, KernelBackend, KernelConnection
 
 if TYPE_CHECKING:
-    from kernelexec._session import AsyncSession
+    from kernelexec._core._session import AsyncSession
 
 log = logging.getLogger("kernelexec")
 

@@ -9,9 +9,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
-from kernelexec._envs import VenvEnv
-from kernelexec._executor import AsyncKernelExecutor
-from kernelexec._record import KEY, read_notebook
+from kernelexec._core._executor import AsyncKernelExecutor
+from kernelexec._envs._envs import VenvEnv
+from kernelexec._notebooks._recording import KEY, read_notebook
 
 _VOLATILE = [
     (re.compile(r"0x[0-9a-fA-F]{4,}"), "0x…"),

@@ -7,8 +7,8 @@ from pathlib import Path
 from typing import Any
 
 from kernelexec._exceptions import NotebookError, ToolDefinitionError
-from kernelexec._record import KEY, read_notebook
-from kernelexec._tools import Tool
+from kernelexec._notebooks._recording import KEY, read_notebook
+from kernelexec._tools._tool import Tool
 
 TOOL_TAG = "tool"
 _REQUIREMENTS = re.compile(r"^\s*#\s*requirements:\s*(.*)$", re.IGNORECASE)

@@ -23,7 +23,7 @@ from typing import Any, Literal
 import filelock
 from pydantic import BaseModel
 
-from kernelexec._envs import (
+from kernelexec._envs._envs import (
     ENV_INFO,
     KERNEL_REQUIREMENT,
     VenvEnv,

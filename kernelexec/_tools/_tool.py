@@ -15,7 +15,7 @@ import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from kernelexec._exceptions import ToolDefinitionError, ToolSchemaWarning
-from kernelexec._schema import function_schema
+from kernelexec._tools._schema import function_schema
 
 
 class Tool(BaseModel):
@@ -112,7 +112,7 @@ class Tool(BaseModel):
         Raises:
             NotebookError: the notebook is unreadable or a tagged cell is not a valid tool.
         """
-        from kernelexec._notebook_tools import tools_from_notebook
+        from kernelexec._notebooks._authoring import tools_from_notebook
 
         return tools_from_notebook(path)
 

@@ -1,7 +1,7 @@
 """Environments a kernel runs in, as values: the host interpreter, or a virtual environment.
 
 :class:`LocalEnv` and :class:`VenvEnv` have a stable ``fingerprint``; building a ``VenvEnv`` is
-the job of :mod:`kernelexec._venv_builder`.
+the job of :mod:`kernelexec._envs._builder`.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ import threading
 from types import TracebackType
 from typing import Any
 
-from kernelexec._venv_builder import EnvProgress
+from kernelexec._envs._builder import EnvProgress
 
 
 class ProgressDisplay:

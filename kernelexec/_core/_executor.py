@@ -14,15 +14,15 @@ from pathlib import Path
 from typing import Any
 
 from kernelexec._config import ExecutorConfig, make_config
-from kernelexec._envs import LocalEnv, VenvEnv
+from kernelexec._core._pool import KernelPool
+from kernelexec._core._session import REPORT_EXPRESSION, AsyncSession
+from kernelexec._envs._builder import EnvBuilder, ProgressCallback
+from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError, ExecutorClosedError
 from kernelexec._models import Execution, ToolResult
-from kernelexec._pool import KernelPool
-from kernelexec._record import SessionRecorder, safe_filename
-from kernelexec._session import REPORT_EXPRESSION, AsyncSession
+from kernelexec._notebooks._recording import SessionRecorder, safe_filename
 from kernelexec._tempdirs import make_owned_dir, sweep_once
-from kernelexec._tools import Tool
-from kernelexec._venv_builder import EnvBuilder, ProgressCallback
+from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import ExecuteRequest, KernelBackend
 from kernelexec.backends._local import LocalBackend
 
@@ -36,7 +36,9 @@ class _State(enum.Enum):
 
 
 def _bootstrap_request(max_output_chars: int) -> ExecuteRequest:
-    source = importlib.resources.files("kernelexec").joinpath("_kernel_side.py").read_text()
+    source = (
+        importlib.resources.files("kernelexec._protocol").joinpath("_kernel_side.py").read_text()
+    )
     code = (
         "def __kx_install():\n"
         "    import sys, types\n"

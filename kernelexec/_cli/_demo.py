@@ -7,10 +7,10 @@ import sys
 import textwrap
 import time
 
+from kernelexec._cli._progress import ProgressDisplay
 from kernelexec._models import Execution, ToolResult
-from kernelexec._progress import ProgressDisplay
 from kernelexec._sync import KernelExecutor, replay
-from kernelexec._tools import Tool
+from kernelexec._tools._tool import Tool
 
 _TOOLS = [
     '''

@@ -15,15 +15,15 @@ from typing import TYPE_CHECKING, Any
 from nbformat import NotebookNode
 from pydantic import BaseModel
 
+from kernelexec._core._run import Callbacks, OutputCallback, RunOutcome, run_request
 from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
 from kernelexec._models import ExecError, Execution, ToolResult
-from kernelexec._record import SessionRecorder, now_iso
-from kernelexec._run import Callbacks, OutputCallback, RunOutcome, run_request
-from kernelexec._tools import Tool
+from kernelexec._notebooks._recording import SessionRecorder, now_iso
+from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import ExecuteRequest, KernelConnection
 
 if TYPE_CHECKING:
-    from kernelexec._pool import KernelPool
+    from kernelexec._core._pool import KernelPool
 
 log = logging.getLogger("kernelexec")
 

@@ -14,13 +14,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kernelexec._envs import VenvEnv, default_cache_dir
+from kernelexec._cli._progress import ProgressDisplay
+from kernelexec._envs._builder import EnvBuilder, list_envs, prune_envs
+from kernelexec._envs._envs import VenvEnv, default_cache_dir
 from kernelexec._exceptions import ConfigError, EnvSetupError, KernelExecError
 from kernelexec._models import Execution
-from kernelexec._progress import ProgressDisplay
 from kernelexec._sync import KernelExecutor
-from kernelexec._tools import Tool
-from kernelexec._venv_builder import EnvBuilder, list_envs, prune_envs
+from kernelexec._tools._tool import Tool
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -254,7 +254,7 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
 
 
 def _cmd_tools(ns: argparse.Namespace) -> int:
-    from kernelexec._notebook_tools import tools_from_notebook
+    from kernelexec._notebooks._authoring import tools_from_notebook
 
     tools = tools_from_notebook(ns.notebook)
     if not tools:
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     }
     try:
         if ns.command == "demo":
-            from kernelexec._demo import run_demo
+            from kernelexec._cli._demo import run_demo
 
             return run_demo(calls=ns.calls, record_dir=ns.record)
         return int(handlers[ns.command](ns))

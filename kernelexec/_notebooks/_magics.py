@@ -17,9 +17,9 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from kernelexec._exceptions import KernelExecError
 from kernelexec._models import ToolResult
-from kernelexec._notebook_tools import tool_from_cell
+from kernelexec._notebooks._authoring import tool_from_cell
 from kernelexec._sync import KernelExecutor
-from kernelexec._tools import Tool
+from kernelexec._tools._tool import Tool
 
 AGENT_ID = "notebook"
 

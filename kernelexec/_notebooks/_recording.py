@@ -19,7 +19,7 @@ import nbformat
 from nbformat import NotebookNode
 
 from kernelexec._exceptions import ConfigError, NotebookError
-from kernelexec._tools import Tool
+from kernelexec._tools._tool import Tool
 
 KEY = "kernelexec"
 """The metadata key (cell and notebook) under which kernelexec keeps what it recorded."""

@@ -1,0 +1,1 @@
+"""The ``kernelexec`` command line, its progress display and the demo."""

@@ -1,0 +1,1 @@
+"""The core: executor, sessions, kernel leases and budget, warm pools, the run loop, outputs."""

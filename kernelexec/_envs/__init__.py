@@ -1,0 +1,1 @@
+"""Environments kernels run in: the values (``LocalEnv``, ``VenvEnv``) and the venv builder."""

@@ -1,0 +1,1 @@
+"""Notebooks: file io, session recording, replay, tool authoring and the IPython magics."""

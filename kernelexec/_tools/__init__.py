@@ -1,0 +1,1 @@
+"""Tools: the ``Tool`` value and JSON schemas made from Python signatures."""
