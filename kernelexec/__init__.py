@@ -6,12 +6,15 @@ The async core is :class:`AsyncKernelExecutor` / :class:`AsyncSession`; :class:`
 :class:`KernelExecError`.
 """
 
+from importlib import metadata as _metadata
+
 from kernelexec._config import ExecutorConfig
 from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._core._session import AsyncSession
 from kernelexec._envs._builder import BuiltEnv, EnvBuilder, EnvProgress
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import (
+    BackgroundTaskError,
     ConfigError,
     EnvSetupError,
     ExecutionError,
@@ -29,7 +32,10 @@ from kernelexec._notebooks._replay import CellDifference, ReplayReport, areplay
 from kernelexec._sync import KernelExecutor, Session, replay
 from kernelexec._tools._tool import Tool
 
-__version__ = "0.1.0"
+try:
+    __version__ = _metadata.version("kernelexec")
+except _metadata.PackageNotFoundError:  # a source tree that was never installed
+    __version__ = "0+unknown"
 
 
 def load_ipython_extension(ipython: object) -> None:
@@ -49,6 +55,7 @@ def unload_ipython_extension(ipython: object) -> None:
 __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "AsyncKernelExecutor",
     "AsyncSession",
+    "BackgroundTaskError",
     "BuiltEnv",
     "CellDifference",
     "ConfigError",

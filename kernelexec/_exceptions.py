@@ -11,8 +11,11 @@ mean misuse of the API or a broken environment::
     ├── PoolExhaustedError (RuntimeError)     every kernel busy and max_kernels reached
     ├── KernelStartError (RuntimeError)       a kernel did not start or become ready
     ├── EnvSetupError (RuntimeError)          a virtual environment could not be built
+    ├── BackgroundTaskError (RuntimeError)    background work failed (raised at close)
     └── ExecutionError                        raised on demand by Execution.raise_for_error()
         └── ExecutionTimeout (TimeoutError)   ... when the run timed out
+
+Every exception survives pickling (they cross process boundaries in users' worker pools).
 """
 
 from __future__ import annotations
@@ -59,6 +62,14 @@ class EnvSetupError(KernelExecError, RuntimeError):
     """
 
 
+class BackgroundTaskError(KernelExecError, RuntimeError):
+    """Background work of the executor (prewarming, idle culling) failed while it ran.
+
+    Each failure is logged when it happens and the work goes on; ``aclose()`` then raises this,
+    after everything is shut down, so the failure is not lost.
+    """
+
+
 class ExecutionError(KernelExecError):
     """A run ended with ``status="error"``; raised only by ``Execution.raise_for_error()``.
 
@@ -71,6 +82,9 @@ class ExecutionError(KernelExecError):
         text = f"{err.kind}: {err.ename}: {err.evalue}" if err else "execution failed"
         super().__init__(text)
         self.execution = execution
+
+    def __reduce__(self) -> tuple[type[ExecutionError], tuple[Execution]]:
+        return (type(self), (self.execution,))
 
 
 class ExecutionTimeout(ExecutionError, TimeoutError):

@@ -6,15 +6,23 @@ recording a run as a notebook cell is a mapping, not a translation.
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from kernelexec._exceptions import ExecutionError, ExecutionTimeout
+from kernelexec._tools._tool import Tool
 
 ErrorKind = Literal[
-    "exception", "timeout", "kernel_died", "invalid_args", "invalid_tool", "env_setup_failed"
+    "exception",
+    "timeout",
+    "kernel_died",
+    "invalid_args",
+    "invalid_tool",
+    "result_too_large",
+    "env_setup_failed",
 ]
 
 DEFAULT_ENV_ALLOWLIST: tuple[str, ...] = (
@@ -35,21 +43,29 @@ DEFAULT_ENV_ALLOWLIST: tuple[str, ...] = (
 """Host environment variables a kernel inherits (when set); everything else is dropped."""
 
 
+def now_iso() -> str:
+    """The current UTC time in ISO 8601 with milliseconds."""
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
+
+
 class ExecError(BaseModel):
     """Why a run failed.
 
     Attributes:
         kind: ``exception`` (the code raised), ``timeout``, ``kernel_died``, ``invalid_args``
             (arguments did not match the tool's schema; the tool did not run), ``invalid_tool``
-            (the tool's source did not compile or lacks the function), ``env_setup_failed``
+            (the tool's source did not compile or lacks the function), ``result_too_large``
+            (the return value or agent state is over ``max_result_chars`` as JSON),
+            ``env_setup_failed``
             (its virtual environment could not be built; ``evalue`` ends with the installer's
-            output).
+            output). Only kernelexec's own checks set the kinds other than ``exception``;
+            an exception's class name never does.
         ename: Exception class name (e.g. ``"ValueError"``).
         evalue: Exception message.
         traceback: Traceback lines as the kernel sent them (may contain ANSI colour codes).
     """
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     kind: ErrorKind
     ename: str
@@ -73,7 +89,7 @@ class Execution(BaseModel):
         lost_variables: When state was lost, the user variable names that existed before.
     """
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="forbid")
 
     status: Literal["success", "error"]
     stdout: str = ""
@@ -133,3 +149,43 @@ class ToolResult(Execution):
         if self.stderr:
             parts.append(f"stderr:\n```\n{self.stderr}\n```")
         return "\n\n".join(parts)
+
+
+class RunRecord(BaseModel):
+    """One finished run as the session hands it to its observers (the notebook recorder).
+
+    Frozen and complete: an observer needs nothing else from the session.
+
+    Attributes:
+        kind: ``"code"`` (``run_code``) or ``"tool_call"``.
+        agent_id: The session's agent id.
+        result: The run's result. For a tool call in a recorded session it still holds the
+            return value as IPython displayed it (``execute_result``), which the caller's
+            ``ToolResult`` does not.
+        code: The code run (``kind == "code"``).
+        tool: The tool called (``kind == "tool_call"``).
+        args: The call's JSON arguments.
+        agent_state: The agent state passed in.
+        ran: False when the run never reached a kernel (rejected arguments, no environment).
+        started: When the run was submitted (UTC, ISO 8601).
+        finished: When its result was complete.
+        timeout_s: The timeout it ran under.
+        kernel_generation: Which of the session's kernels ran it (1 for the first; 0: none).
+        language_info: The kernel's ``language_info`` when this run learned it.
+    """
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    kind: Literal["code", "tool_call"]
+    agent_id: str
+    result: Execution
+    code: str | None = None
+    tool: Tool | None = None
+    args: dict[str, Any] | None = None
+    agent_state: Any = None
+    ran: bool = True
+    started: str
+    finished: str
+    timeout_s: float
+    kernel_generation: int = 0
+    language_info: dict[str, Any] | None = None

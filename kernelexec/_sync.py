@@ -17,12 +17,15 @@ from typing import Any, TypeVar
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from kernelexec._core._executor import DEFAULT_AGENT, AsyncKernelExecutor
+from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._session import AsyncSession
+from kernelexec._envs._builder import ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ExecutorClosedError
 from kernelexec._models import Execution, ToolResult
 from kernelexec._notebooks._replay import ReplayReport, areplay
 from kernelexec._tools._tool import Tool
+from kernelexec.backends._base import KernelBackend
 
 T = TypeVar("T")
 
@@ -67,7 +70,8 @@ class Session:
 
     @property
     def workdir(self) -> Any:
-        """The session's working directory (a ``pathlib.Path``)."""
+        """The session's working directory (a ``pathlib.Path`` for backends that share the
+        host's filesystem, else a ``PurePosixPath`` on the kernel's side)."""
         return self._inner.workdir
 
     @property
@@ -80,15 +84,51 @@ class Session:
         """The file the recording is saved to after every run (a ``Path``), or None."""
         return self._inner.record_path
 
-    def run_code(self, code: str, **kwargs: Any) -> Execution:
+    def run_code(
+        self,
+        code: str,
+        *,
+        timeout: float | None = None,
+        env_vars: dict[str, str] | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_display: OutputCallback | None = None,
+    ) -> Execution:
         """Run code in the session's kernel; see :meth:`AsyncSession.run_code`."""
-        return self._portal.call(self._inner.run_code, code, **kwargs)
+        return self._portal.call(
+            self._inner.run_code,
+            code,
+            timeout=timeout,
+            env_vars=env_vars,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+            on_display=on_display,
+        )
 
     def call_tool(
-        self, tool: Tool, args: dict[str, Any] | None = None, **kwargs: Any
+        self,
+        tool: Tool,
+        args: dict[str, Any] | None = None,
+        *,
+        agent_state: Any = None,
+        env_vars: dict[str, str] | None = None,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_display: OutputCallback | None = None,
     ) -> ToolResult:
         """Call a tool; see :meth:`AsyncSession.call_tool`."""
-        return self._portal.call(self._inner.call_tool, tool, args, **kwargs)
+        return self._portal.call(
+            self._inner.call_tool,
+            tool,
+            args,
+            agent_state=agent_state,
+            env_vars=env_vars,
+            timeout=timeout,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+            on_display=on_display,
+        )
 
     def interrupt(self) -> None:
         """Interrupt the running code; see :meth:`AsyncSession.interrupt`."""
@@ -110,8 +150,17 @@ class KernelExecutor:
     object is garbage-collected or the interpreter exits.
     """
 
-    def __init__(self, **kwargs: Any) -> None:
-        self._async = AsyncKernelExecutor(**kwargs)
+    def __init__(
+        self,
+        *,
+        backend: KernelBackend | str | None = None,
+        backend_options: dict[str, Any] | None = None,
+        on_progress: ProgressCallback | None = None,
+        **config: Any,
+    ) -> None:
+        self._async = AsyncKernelExecutor(
+            backend=backend, backend_options=backend_options, on_progress=on_progress, **config
+        )
         self._portal = _Portal()
         self._sessions: dict[tuple[str, str], Session] = {}
         self._finalizer = weakref.finalize(self, _shutdown, self._portal, self._async)
@@ -171,14 +220,58 @@ class KernelExecutor:
         return wrapper
 
     def call_tool(
-        self, tool: Tool, args: dict[str, Any] | None = None, **kwargs: Any
+        self,
+        tool: Tool,
+        args: dict[str, Any] | None = None,
+        *,
+        agent_id: str | None = None,
+        env: LocalEnv | VenvEnv | None = None,
+        agent_state: Any = None,
+        env_vars: dict[str, str] | None = None,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_display: OutputCallback | None = None,
     ) -> ToolResult:
         """Call a tool; see :meth:`AsyncKernelExecutor.call_tool`."""
-        return self._portal.call(self._async.call_tool, tool, args, **kwargs)
+        return self._portal.call(
+            self._async.call_tool,
+            tool,
+            args,
+            agent_id=agent_id,
+            env=env,
+            agent_state=agent_state,
+            env_vars=env_vars,
+            timeout=timeout,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+            on_display=on_display,
+        )
 
-    def run_code(self, code: str, **kwargs: Any) -> Execution:
+    def run_code(
+        self,
+        code: str,
+        *,
+        agent_id: str | None = None,
+        env: LocalEnv | VenvEnv | None = None,
+        env_vars: dict[str, str] | None = None,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_display: OutputCallback | None = None,
+    ) -> Execution:
         """Run code; see :meth:`AsyncKernelExecutor.run_code`."""
-        return self._portal.call(self._async.run_code, code, **kwargs)
+        return self._portal.call(
+            self._async.run_code,
+            code,
+            agent_id=agent_id,
+            env=env,
+            env_vars=env_vars,
+            timeout=timeout,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+            on_display=on_display,
+        )
 
     def close(self) -> None:
         """Shut down every kernel, remove temporary files and stop the loop thread."""

@@ -19,7 +19,7 @@ import pytest
 from nbclient import NotebookClient
 
 import kernelexec as kx
-from kernelexec._notebooks._recording import call_source, safe_filename
+from kernelexec._notebooks._io import call_source, safe_filename
 from kernelexec._notebooks._replay import output_lines
 
 TOOL_V1 = textwrap.dedent(

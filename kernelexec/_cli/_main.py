@@ -254,9 +254,7 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
 
 
 def _cmd_tools(ns: argparse.Namespace) -> int:
-    from kernelexec._notebooks._authoring import tools_from_notebook
-
-    tools = tools_from_notebook(ns.notebook)
+    tools = Tool.from_notebook(ns.notebook)
     if not tools:
         print(f"kernelexec: no code cells tagged 'tool' in {ns.notebook}", file=sys.stderr)
     data = [t.model_dump(mode="json", exclude_none=True) for t in tools]

@@ -1,68 +1,44 @@
-"""``AsyncKernelExecutor``: the async core that owns a pool of kernels and the agents' sessions."""
+"""``AsyncKernelExecutor``: the async core. It owns the backend, one warm pool per environment,
+the kernel budget, the background tasks and the agents' sessions."""
 
 from __future__ import annotations
 
 import asyncio
 import enum
-import hashlib
-import importlib.resources
 import os
-import re
 import shutil
-import sys
-from pathlib import Path
+from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from kernelexec._config import ExecutorConfig, make_config
+from kernelexec._core._budget import KernelBudget
+from kernelexec._core._lease import KernelLease
+from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._pool import KernelPool
-from kernelexec._core._session import REPORT_EXPRESSION, AsyncSession
+from kernelexec._core._session import AsyncSession
+from kernelexec._core._tasks import TaskSupervisor
 from kernelexec._envs._builder import EnvBuilder, ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError, ExecutorClosedError
 from kernelexec._models import Execution, ToolResult
-from kernelexec._notebooks._recording import SessionRecorder, safe_filename
+from kernelexec._notebooks._io import safe_filename
+from kernelexec._notebooks._recording import SessionRecorder
+from kernelexec._protocol._host import bootstrap_request
 from kernelexec._tempdirs import make_owned_dir, sweep_once
 from kernelexec._tools._tool import Tool
-from kernelexec.backends._base import ExecuteRequest, KernelBackend
+from kernelexec.backends._base import KernelBackend, KernelLaunch
 from kernelexec.backends._local import LocalBackend
+from kernelexec.backends._registry import get_backend
 
 DEFAULT_AGENT = "default"
+
+Env = LocalEnv | VenvEnv
 
 
 class _State(enum.Enum):
     UNOPENED = "unopened"
     OPEN = "open"
     CLOSED = "closed"
-
-
-def _bootstrap_request(max_output_chars: int) -> ExecuteRequest:
-    source = (
-        importlib.resources.files("kernelexec._protocol").joinpath("_kernel_side.py").read_text()
-    )
-    code = (
-        "def __kx_install():\n"
-        "    import sys, types\n"
-        "    from IPython import get_ipython\n"
-        "    meta = get_ipython().kernel.get_parent()['metadata']['kernelexec']\n"
-        "    mod = types.ModuleType('__kernelexec__')\n"
-        "    sys.modules['__kernelexec__'] = mod\n"
-        "    exec(compile(meta['source'], '<kernelexec>', 'exec'), mod.__dict__)\n"
-        "    mod.install()\n"
-        "__kx_install(); del __kx_install\n"
-    )
-    return ExecuteRequest(
-        code=code,
-        silent=True,
-        store_history=False,
-        metadata={
-            "kernelexec": {
-                "source": source,
-                "max_output_chars": max_output_chars,
-                "report_expression": REPORT_EXPRESSION,
-                "fast_paths": os.environ.get("KERNELEXEC_NO_FAST_PATHS") != "1",
-            }
-        },
-    )
 
 
 def kernel_env(config: ExecutorConfig) -> dict[str, str]:
@@ -82,25 +58,29 @@ class AsyncKernelExecutor:
             result = await ex.call_tool(tool, {"a": 1}, agent_id="agent-1")
 
     Args:
-        backend: Where kernels run (default: :class:`~kernelexec.backends.LocalBackend`).
+        backend: Where kernels run: a :class:`~kernelexec.backends.KernelBackend`, or the name
+            of an installed one (``"local"``, the default).
+        backend_options: Keyword arguments for a backend given by name.
+        on_progress: Called with :class:`~kernelexec.EnvProgress` events while venvs build.
         **config: Fields of :class:`~kernelexec.ExecutorConfig` (``env_vars``,
             ``default_timeout``, ``max_kernels``, ``prewarm``, ``idle_timeout``, ...).
 
     Raises:
-        ConfigError: a configuration value is invalid (the message names it).
+        ConfigError: a configuration value is invalid, or the backend cannot run the
+            configured environment (the message names it).
     """
 
     def __init__(
         self,
         *,
-        backend: KernelBackend | None = None,
+        backend: KernelBackend | str | None = None,
+        backend_options: dict[str, Any] | None = None,
         on_progress: ProgressCallback | None = None,
         **config: Any,
     ) -> None:
         self.config = make_config(**config)
-        if backend is not None and isinstance(self.config.env, VenvEnv):
-            raise ConfigError("env=VenvEnv(...) needs the local backend; do not pass backend=")
-        self.backend = backend or LocalBackend()
+        self.backend = _resolve_backend(backend, backend_options)
+        self._check_env(self.config.env)
         self.builder = EnvBuilder(self.config.cache_dir, self.config.installer, on_progress)
         self._state = _State.UNOPENED
         self._sessions: dict[tuple[str, str], AsyncSession] = {}
@@ -108,16 +88,17 @@ class AsyncKernelExecutor:
         self._pools: dict[str, KernelPool] = {}
         self._pool_locks: dict[str, asyncio.Lock] = {}
         self._tool_envs: dict[tuple[tuple[str, ...], str | None], VenvEnv] = {}
+        self._fingerprints: dict[str, str] = {}
+        self._supervisor = TaskSupervisor()
+        self._budget = KernelBudget(
+            self.config.max_kernels, self.config.idle_timeout, self._supervisor
+        )
+        self._bootstrap = bootstrap_request(self.config.max_output_chars)
         self._own_workdir = False
-        self._workdir: Path | None = None
-        if backend is None:
-            self._local_fingerprint = LocalEnv().fingerprint
-        else:
-            text = f"{self.backend.describe()}|{sys.version}"
-            self._local_fingerprint = hashlib.sha256(text.encode()).hexdigest()[:16]
+        self._workdir: PurePath | None = None
 
     @property
-    def env(self) -> LocalEnv | VenvEnv:
+    def env(self) -> Env:
         """The default environment of sessions and calls."""
         return self.config.env
 
@@ -126,9 +107,23 @@ class AsyncKernelExecutor:
         """The default environment's fingerprint (``ToolResult.sandbox_config_fingerprint``)."""
         return self.fingerprint_of(self.env)
 
-    def fingerprint_of(self, env: LocalEnv | VenvEnv) -> str:
-        """The fingerprint of ``env`` as this executor runs it."""
-        return self._local_fingerprint if isinstance(env, LocalEnv) else env.fingerprint
+    def fingerprint_of(self, env: Env) -> str:
+        """The fingerprint of ``env`` as this executor's backend runs it."""
+        base = env.fingerprint
+        cached = self._fingerprints.get(base)
+        if cached is None:
+            cached = self.backend.fingerprint(self._launch(env, interpreter=None), base)
+            self._fingerprints[base] = cached
+        return cached
+
+    def _launch(self, env: Env, interpreter: str | None) -> KernelLaunch:
+        if isinstance(env, VenvEnv) and interpreter is None:
+            interpreter = env.interpreter
+        return KernelLaunch(env=kernel_env(self.config), interpreter=interpreter)
+
+    def _check_env(self, env: Env) -> None:
+        """Refuse, before anything is built, an environment the backend cannot run."""
+        self.backend.check(self._launch(env, interpreter=None))
 
     async def __aenter__(self) -> AsyncKernelExecutor:
         await self.start()
@@ -144,40 +139,43 @@ class AsyncKernelExecutor:
         if self._state is _State.OPEN:
             return
         cfg = self.config
-        sweep_once()  # what killed hosts left in the temp dir (once per process; quick)
-        if cfg.workdir is None:
-            self._workdir = Path(make_owned_dir("kernelexec-"))
-            self._own_workdir = True
+        if self.backend.host_filesystem:
+            sweep_once()  # what killed hosts left in the temp dir (once per process; quick)
+            if cfg.workdir is None:
+                self._workdir = Path(make_owned_dir("kernelexec-"))
+                self._own_workdir = True
+            else:
+                self._workdir = Path(cfg.workdir)
+                self._workdir.mkdir(parents=True, exist_ok=True)
         else:
-            self._workdir = Path(cfg.workdir)
-            self._workdir.mkdir(parents=True, exist_ok=True)
+            # Paths on the kernel's side, relative to where the backend starts kernels.
+            self._workdir = PurePosixPath(str(cfg.workdir) if cfg.workdir else "kernelexec")
         if cfg.record_dir is not None:
             try:
                 os.makedirs(cfg.record_dir, exist_ok=True)
             except OSError as exc:
                 raise ConfigError(f"record_dir {cfg.record_dir}: {exc.strerror}") from None
+        await self._supervisor.start()
+        self._budget.open()
         self._state = _State.OPEN
         if isinstance(cfg.env, LocalEnv):
-            self._new_pool(self.fingerprint, self.backend, cfg.prewarm)
+            self._new_pool(self.fingerprint, self._launch(cfg.env, None), cfg.prewarm)
 
-    def _new_pool(self, fingerprint: str, backend: KernelBackend, prewarm: int) -> KernelPool:
-        cfg = self.config
+    def _new_pool(self, fingerprint: str, launch: KernelLaunch, prewarm: int) -> KernelPool:
         pool = KernelPool(
-            backend,
-            env=kernel_env(cfg),
-            bootstrap=_bootstrap_request(cfg.max_output_chars),
-            max_kernels=cfg.max_kernels,
+            self.backend,
+            launch,
+            bootstrap=self._bootstrap,
             prewarm=prewarm,
-            start_timeout=cfg.start_timeout,
-            idle_timeout=cfg.idle_timeout,
-            sessions=lambda: list(self._sessions.values()),
-            total=lambda: self.kernel_count,
+            start_timeout=self.config.start_timeout,
+            budget=self._budget,
+            supervisor=self._supervisor,
         )
         self._pools[fingerprint] = pool
         pool.open()
         return pool
 
-    async def _pool_for(self, env: LocalEnv | VenvEnv, prewarm: int | None = None) -> KernelPool:
+    async def _pool_for(self, env: Env, prewarm: int | None = None) -> KernelPool:
         """The pool of kernels for ``env``, building its venv first if needed."""
         fingerprint = self.fingerprint_of(env)
         pool = self._pools.get(fingerprint)
@@ -187,18 +185,17 @@ class AsyncKernelExecutor:
             pool = self._pools.get(fingerprint)
             if pool is not None:
                 return pool
-            if isinstance(env, LocalEnv):
-                backend: KernelBackend = self.backend
-            else:
+            interpreter = None
+            if isinstance(env, VenvEnv):
                 built = await self.builder.ensure(env)
-                backend = LocalBackend(python=str(built.python))
+                interpreter = str(built.python)
             if self._state is not _State.OPEN:
                 raise ExecutorClosedError("the executor is closed")
             if prewarm is None:
                 prewarm = self.config.prewarm if env == self.env else 0
-            return self._new_pool(fingerprint, backend, prewarm)
+            return self._new_pool(fingerprint, self._launch(env, interpreter), prewarm)
 
-    async def warm_up(self, env: LocalEnv | VenvEnv | None = None) -> None:
+    async def warm_up(self, env: Env | None = None) -> None:
         """Get ``env`` (default: the executor's) ready ahead of need: build its venv if needed
         and wait until its ``prewarm`` kernels are started.
 
@@ -218,11 +215,9 @@ class AsyncKernelExecutor:
     @property
     def kernel_count(self) -> int:
         """Kernels alive or starting, prewarmed ones included, over every environment."""
-        return sum(pool.size for pool in self._pools.values())
+        return self._budget.count
 
-    def env_for(
-        self, tool: Tool | None, env: LocalEnv | VenvEnv | None = None
-    ) -> LocalEnv | VenvEnv:
+    def env_for(self, tool: Tool | None, env: Env | None = None) -> Env:
         """The environment a call runs in: ``env`` if given; for a tool with
         ``pip_requirements``, a venv with exactly those (built from the default env's
         interpreter); else the executor's default."""
@@ -241,17 +236,17 @@ class AsyncKernelExecutor:
             return venv
         return self.env
 
-    async def session(
-        self, agent_id: str = DEFAULT_AGENT, env: LocalEnv | VenvEnv | None = None
-    ) -> AsyncSession:
+    async def session(self, agent_id: str = DEFAULT_AGENT, env: Env | None = None) -> AsyncSession:
         """The session of ``agent_id`` in ``env`` (default: the executor's), created on first
-        use; its kernel (and venv) are made lazily. One agent has one session per environment."""
+        use; its kernel (and venv) are made lazily. One agent has one session per environment.
+
+        Raises:
+            ConfigError: the backend cannot run ``env``.
+        """
         if not isinstance(agent_id, str) or not agent_id:
             raise TypeError("agent_id must be a non-empty str")
         if env is not None and not isinstance(env, LocalEnv | VenvEnv):
             raise TypeError(f"env must be a LocalEnv or VenvEnv, not {type(env).__name__}")
-        if isinstance(env, VenvEnv) and not isinstance(self.backend, LocalBackend):
-            raise ConfigError("a VenvEnv needs the local backend")
         await self.start()
         if self._state is not _State.OPEN:
             raise ExecutorClosedError("the executor is closed")
@@ -260,7 +255,7 @@ class AsyncKernelExecutor:
         existing = self._sessions.get((agent_id, fingerprint))
         if existing is not None:
             return existing
-        assert self._workdir is not None
+        self._check_env(env)
         cfg = self.config
         recorder = None
         if cfg.record:
@@ -271,10 +266,13 @@ class AsyncKernelExecutor:
                     name = f"{name}@{fingerprint[:8]}"
                 path = Path(cfg.record_dir) / f"{name}.ipynb"
             recorder = SessionRecorder(agent_id, path, fingerprint, env.model_dump(mode="json"))
+        workdir = self._session_dir(agent_id)
+        lease = KernelLease(agent_id, lambda: self._pool_for(env), str(workdir))
+        self._budget.register(lease)
         session = AsyncSession(
             agent_id,
-            lambda: self._pool_for(env),
-            self._session_dir(agent_id),
+            lease,
+            workdir,
             fingerprint=fingerprint,
             default_timeout=cfg.default_timeout,
             interrupt_grace=cfg.interrupt_grace,
@@ -286,16 +284,17 @@ class AsyncKernelExecutor:
         self._sessions[(agent_id, fingerprint)] = session
         return session
 
-    def _session_dir(self, agent_id: str) -> Path:
+    def _session_dir(self, agent_id: str) -> PurePath:
         assert self._workdir is not None
-        base = re.sub(r"[^A-Za-z0-9._-]", "_", agent_id)[:64].strip(".") or "agent"
+        base = safe_filename(agent_id)
         name, n = base, 1
         while name in self._dirs_used:
             n += 1
             name = f"{base}-{n}"
         self._dirs_used.add(name)
         path = self._workdir / name
-        path.mkdir(parents=True, exist_ok=True)
+        if isinstance(path, Path):
+            path.mkdir(parents=True, exist_ok=True)
         return path
 
     async def call_tool(
@@ -304,8 +303,13 @@ class AsyncKernelExecutor:
         args: dict[str, Any] | None = None,
         *,
         agent_id: str | None = None,
-        env: LocalEnv | VenvEnv | None = None,
-        **kwargs: Any,
+        env: Env | None = None,
+        agent_state: Any = None,
+        env_vars: dict[str, str] | None = None,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_display: OutputCallback | None = None,
     ) -> ToolResult:
         """Call a tool in the session of ``agent_id``; see :meth:`AsyncSession.call_tool`.
 
@@ -315,23 +319,48 @@ class AsyncKernelExecutor:
         if not isinstance(tool, Tool):
             raise TypeError(f"tool must be a kernelexec.Tool, not {type(tool).__name__}")
         session = await self.session(agent_id or DEFAULT_AGENT, self.env_for(tool, env))
-        return await session.call_tool(tool, args, **kwargs)
+        return await session.call_tool(
+            tool,
+            args,
+            agent_state=agent_state,
+            env_vars=env_vars,
+            timeout=timeout,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+            on_display=on_display,
+        )
 
     async def run_code(
         self,
         code: str,
         *,
         agent_id: str | None = None,
-        env: LocalEnv | VenvEnv | None = None,
-        **kwargs: Any,
+        env: Env | None = None,
+        env_vars: dict[str, str] | None = None,
+        timeout: float | None = None,
+        on_stdout: OutputCallback | None = None,
+        on_stderr: OutputCallback | None = None,
+        on_display: OutputCallback | None = None,
     ) -> Execution:
         """Run code in the session of ``agent_id`` (in ``env``, default: the executor's);
         see :meth:`AsyncSession.run_code`."""
         session = await self.session(agent_id or DEFAULT_AGENT, env)
-        return await session.run_code(code, **kwargs)
+        return await session.run_code(
+            code,
+            env_vars=env_vars,
+            timeout=timeout,
+            on_stdout=on_stdout,
+            on_stderr=on_stderr,
+            on_display=on_display,
+        )
 
     async def aclose(self) -> None:
-        """Shut down every kernel and remove the executor's temporary files. Idempotent."""
+        """Shut down every kernel and remove the executor's temporary files. Idempotent.
+
+        Raises:
+            BackgroundTaskError: background work failed while the executor ran (everything
+                is shut down first).
+        """
         if self._state is _State.CLOSED:
             return
         self._state = _State.CLOSED
@@ -341,6 +370,25 @@ class AsyncKernelExecutor:
             session.mark_closed()
         pools = list(self._pools.values())
         self._pools.clear()
-        await asyncio.shield(asyncio.gather(*(p.aclose() for p in pools)))
-        if self._own_workdir and self._workdir is not None:
-            shutil.rmtree(self._workdir, ignore_errors=True)
+        try:
+            await asyncio.shield(self._supervisor.aclose())
+        finally:
+            await asyncio.shield(asyncio.gather(*(p.aclose() for p in pools)))
+            if self._own_workdir and isinstance(self._workdir, Path):
+                shutil.rmtree(self._workdir, ignore_errors=True)
+
+
+def _resolve_backend(
+    backend: KernelBackend | str | None, options: dict[str, Any] | None
+) -> KernelBackend:
+    if isinstance(backend, KernelBackend):
+        if options:
+            raise ConfigError("backend_options apply only to a backend given by name")
+        return backend
+    if backend is None:
+        return LocalBackend(**(options or {})) if options else LocalBackend()
+    if isinstance(backend, str):
+        return get_backend(backend, **(options or {}))
+    raise ConfigError(
+        f"backend must be a KernelBackend or a backend name, not {type(backend).__name__}"
+    )

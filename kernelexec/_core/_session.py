@@ -1,51 +1,39 @@
-"""``AsyncSession``: one agent's persistent kernel, its calls serialised in submission order."""
+"""``AsyncSession``: one agent's persistent kernel, its calls serialised in submission order.
+
+The session checks what the caller passed, builds the request (``_protocol._host``), runs it on
+its lease's kernel (``_run``), turns what happened into a typed result, and hands each finished
+run to its observers as a frozen :class:`~kernelexec._models.RunRecord` (the notebook recorder
+is one). The kernel's lifecycle is the lease's (``_lease``).
+"""
 
 from __future__ import annotations
 
-import asyncio
-import dataclasses
-import json
-import logging
-import signal
 import time
 from collections.abc import Awaitable, Callable
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from pathlib import Path, PurePath
+from typing import Any, Protocol
 
 from nbformat import NotebookNode
-from pydantic import BaseModel
 
-from kernelexec._core._run import Callbacks, OutputCallback, RunOutcome, run_request
+from kernelexec._core._lease import KernelLease
+from kernelexec._core._outputs import Callbacks, OutputCallback
+from kernelexec._core._run import RunOutcome, run_request
 from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
-from kernelexec._models import ExecError, Execution, ToolResult
-from kernelexec._notebooks._recording import SessionRecorder, now_iso
+from kernelexec._models import ExecError, Execution, RunRecord, ToolResult, now_iso
+from kernelexec._notebooks._recording import SessionRecorder
+from kernelexec._protocol import _host as protocol
+from kernelexec._protocol._host import ExecuteRequest
 from kernelexec._tools._tool import Tool
-from kernelexec.backends._base import ExecuteRequest, KernelConnection
-
-if TYPE_CHECKING:
-    from kernelexec._core._pool import KernelPool
-
-log = logging.getLogger("kernelexec")
-
-RESULT_MIME = "application/vnd.kernelexec.result+json"
-_MODULE = "__import__('__kernelexec__')"
-REPORT_EXPRESSION = f"{_MODULE}.report()"
-_REPORT = {"kx": REPORT_EXPRESSION}
-_KIND_BY_ENAME = {
-    "KernelexecInvalidTool": "invalid_tool",
-    "KernelexecInvalidArgs": "invalid_args",
-}
 
 
-def _describe_exit(code: int | None) -> str:
-    if code is None:
-        return "exit status unknown"
-    if code < 0:
-        try:
-            return f"killed by {signal.Signals(-code).name}"
-        except ValueError:
-            return f"killed by signal {-code}"
-    return f"exit code {code}"
+class RunObserver(Protocol):
+    """Told about every finished run of a session, in order, before its caller gets it."""
+
+    async def run_finished(self, record: RunRecord) -> None:
+        """Take note of ``record`` (it must not raise for an I/O failure: log it)."""
+
+    def close(self) -> None:
+        """The session closed."""
 
 
 class AsyncSession:
@@ -61,8 +49,8 @@ class AsyncSession:
     def __init__(
         self,
         agent_id: str,
-        pool: Callable[[], Awaitable[KernelPool]],
-        workdir: Path,
+        lease: KernelLease,
+        workdir: PurePath,
         *,
         fingerprint: str,
         default_timeout: float,
@@ -71,32 +59,36 @@ class AsyncSession:
         max_output_chars: int,
         max_result_chars: int,
         recorder: SessionRecorder | None = None,
+        observers: tuple[RunObserver, ...] = (),
+        on_close: Callable[[AsyncSession], Awaitable[None]] | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.workdir = workdir
         self.fingerprint = fingerprint
-        self._get_pool = pool  # builds the session's environment on first use
-        self._pool: KernelPool | None = None
+        self._lease = lease
         self._timeout = default_timeout
         self._grace = interrupt_grace
         self._output_grace = output_grace
         self._max_output = max_output_chars
         self._max_result = max_result_chars
-        self._lock = asyncio.Lock()
-        self._conn: KernelConnection | None = None
-        self._names: list[str] = []
-        self._lost: list[str] | None = None  # state lost outside a run, not yet reported
-        self._closed = False
         self._recorder = recorder
-        self._pending_config: dict[str, Any] | None = None
-        self.last_used = time.monotonic()
+        self._observers: tuple[RunObserver, ...] = (
+            (recorder, *observers) if recorder is not None else observers
+        )
+        self._on_close = on_close
+        self._closed = False
 
     # -- public API -------------------------------------------------------------------------
 
     @property
     def busy(self) -> bool:
         """True while a call runs or waits to run."""
-        return self._lock.locked()
+        return self._lease.busy
+
+    @property
+    def has_kernel(self) -> bool:
+        """Whether a kernel is currently attached (it may be shut down when idle)."""
+        return self._lease.has_kernel
 
     @property
     def notebook(self) -> NotebookNode | None:
@@ -112,16 +104,12 @@ class AsyncSession:
         """The file the recording is saved to after every run (None: not saved)."""
         return self._recorder.path if self._recorder is not None else None
 
-    @property
-    def has_kernel(self) -> bool:
-        """Whether a kernel is currently attached (it may be shut down when idle)."""
-        return self._conn is not None
-
     async def run_code(
         self,
         code: str,
         *,
         timeout: float | None = None,
+        env_vars: dict[str, str] | None = None,
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
@@ -131,21 +119,39 @@ class AsyncSession:
         Args:
             code: Python source (IPython syntax allowed).
             timeout: Seconds before the run is interrupted (default: the executor's).
+            env_vars: Environment variables set only while this code runs.
             on_stdout: Called with each piece of stdout text as it arrives.
             on_stderr: Called with each piece of stderr text as it arrives.
             on_display: Called with each display_data output dict as it arrives.
         """
         if not isinstance(code, str):
             raise TypeError(f"code must be str, not {type(code).__name__}")
-        request = ExecuteRequest(code=code, user_expressions=_REPORT)
+        timeout = self._check_timeout(timeout)
+        problem = _env_problem(env_vars)
+        if problem:
+            raise TypeError(problem)
+        request = protocol.code_request(code, env_vars)
         callbacks = Callbacks(on_stdout, on_stderr, on_display)
-        async with self._lock:
+        async with self._lease.hold():
+            self._check_open()
             started = now_iso()
-            fields, _ = await self._run(request, timeout, callbacks)
-            if self._recorder is not None:
-                self._recorder.add_code(code, fields, started, fields["timeout_s"])
-                await self._save()
-        return Execution(**fields)
+            result, report, generation = await self._execute(request, timeout, callbacks)
+            execution = Execution(**result)
+            await self._observe(
+                RunRecord(
+                    kind="code",
+                    agent_id=self.agent_id,
+                    result=execution,
+                    code=code,
+                    ran=_ran(execution),
+                    started=started,
+                    finished=now_iso(),
+                    timeout_s=timeout,
+                    kernel_generation=generation,
+                    language_info=report.language_info if report else None,
+                )
+            )
+        return execution
 
     async def call_tool(
         self,
@@ -174,210 +180,147 @@ class AsyncSession:
         """
         if not isinstance(tool, Tool):
             raise TypeError(f"tool must be a kernelexec.Tool, not {type(tool).__name__}")
+        timeout = self._check_timeout(timeout)
         args = {} if args is None else args
         problems = tool.validate_args(args)
-        if env_vars is not None and not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()
-        ):
-            problems.append("env_vars must map str to str")
-        if problems:
+        problem = _env_problem(env_vars)
+        if problem:
+            problems.append(problem)
+        recording = self._recorder is not None
+        async with self._lease.hold():
             self._check_open()
-            rejected = self._invalid_args(problems, agent_state)
-            if self._recorder is not None:
-                async with self._lock:
-                    assert rejected.error is not None
-                    fields = _not_run(rejected.error)
-                    self._recorder.add_tool_call(
-                        tool, args, fields, now_iso(), timeout or self._timeout, agent_state
-                    )
-                    await self._save()
-            return rejected
-        spec: dict[str, Any] = {
-            "name": tool.name,
-            "digest": tool.digest,
-            "args": json.dumps(args, ensure_ascii=False),
-            "env": dict(env_vars or {}),
-            "max_result_chars": self._max_result,
-            "source": tool.source_code,
-        }
-        if tool.takes_agent_state:
-            spec["agent_state"] = _dump_state(agent_state)
-        if self._recorder is not None:
-            spec["display"] = True
-        callbacks = Callbacks(on_stdout, on_stderr, on_display)
-        request = ExecuteRequest(
-            code=f"{_MODULE}.call()",
-            user_expressions=_REPORT,
-            metadata={"kernelexec": spec},
-        )
-        async with self._lock:
             started = now_iso()
-            fields, result = await self._run(request, timeout, callbacks)
-            fields["sandbox_config_fingerprint"] = self.fingerprint
-            fields["agent_state"] = agent_state
-            if result is not None:
-                fields["func_return"] = result.get("return")
-                if "agent_state" in result:
-                    fields["agent_state"] = _load_state(agent_state, result["agent_state"])
-            if self._recorder is not None:
-                self._recorder.add_tool_call(
-                    tool, args, fields, started, fields["timeout_s"], agent_state
+            if problems:
+                error = ExecError(
+                    kind="invalid_args", ename="InvalidArguments", evalue="; ".join(problems)
                 )
-                await self._save()
-                # The return value was displayed only for the notebook; the result is the same
-                # whether or not the session records.
-                fields["outputs"] = [
-                    o for o in fields["outputs"] if o.get("output_type") != "execute_result"
-                ]
-                fields["result"] = None
-        return ToolResult(**fields)
+                full = ToolResult(
+                    status="error",
+                    error=error,
+                    agent_state=agent_state,
+                    sandbox_config_fingerprint=self.fingerprint,
+                )
+                generation, report = self._lease.generation, None
+            else:
+                request = protocol.tool_call_request(
+                    tool,
+                    args,
+                    agent_state=agent_state,
+                    env_vars=env_vars,
+                    max_result_chars=self._max_result,
+                    display=recording,
+                )
+                callbacks = Callbacks(on_stdout, on_stderr, on_display)
+                fields, report, generation = await self._execute(request, timeout, callbacks)
+                fields["sandbox_config_fingerprint"] = self.fingerprint
+                fields["agent_state"] = agent_state
+                if report is not None and report.result is not None:
+                    fields["func_return"] = report.result.get("return")
+                    if "agent_state" in report.result:
+                        fields["agent_state"] = protocol.load_state(
+                            agent_state, report.result["agent_state"]
+                        )
+                full = ToolResult(**fields)
+            await self._observe(
+                RunRecord(
+                    kind="tool_call",
+                    agent_id=self.agent_id,
+                    result=full,
+                    tool=tool,
+                    args=args,
+                    agent_state=agent_state,
+                    ran=_ran(full),
+                    started=started,
+                    finished=now_iso(),
+                    timeout_s=timeout,
+                    kernel_generation=generation,
+                    language_info=report.language_info if report else None,
+                )
+            )
+        if not recording:
+            return full
+        # The return value was displayed only for the notebook; the result is the same whether
+        # or not the session records.
+        outputs = [o for o in full.outputs if o.get("output_type") != "execute_result"]
+        return full.model_copy(update={"outputs": outputs, "result": None})
 
     async def interrupt(self) -> None:
         """Interrupt whatever the kernel is running now (the running call gets the error)."""
         self._check_open()
-        if self._conn is not None:
-            await self._conn.interrupt()
+        conn = self._lease.connection
+        if conn is not None:
+            await conn.interrupt()
 
     async def restart(self) -> None:
         """Replace the kernel with a fresh one now; all state is lost."""
-        async with self._lock:
+        async with self._lease.hold():
             self._check_open()
-            if self._conn is not None:
-                self._lost = (self._lost or []) + self._names
-                await self._replace_kernel()
+            if self._lease.has_kernel:
+                await self._lease.lose_state()
 
     async def aclose(self) -> None:
         """Shut the session's kernel down; later calls raise ``ExecutorClosedError``."""
         self.mark_closed()
-        conn, self._conn = self._conn, None
-        if conn is not None and self._pool is not None:
-            await self._pool.discard(conn)
+        await self._lease.release()
+        if self._on_close is not None:
+            await self._on_close(self)
 
     def mark_closed(self) -> None:
-        """Refuse further calls and release the recording's file (used by the executor)."""
-        self._closed = True
-        if self._recorder is not None:
-            self._recorder.close()
-
-    # -- used by the pool -------------------------------------------------------------------
-
-    async def evict(self) -> None:
-        """Give the kernel back (idle culling or LRU eviction); the next call starts fresh."""
-        conn, self._conn = self._conn, None
-        if conn is None:
+        """Refuse further calls and let the observers go (used by the executor)."""
+        if self._closed:
             return
-        self._lost = (self._lost or []) + self._names
-        self._names = []
-        assert self._pool is not None
-        await self._pool.discard(conn)
+        self._closed = True
+        for observer in self._observers:
+            observer.close()
 
     # -- internals ---------------------------------------------------------------------------
-
-    async def _save(self) -> None:
-        assert self._recorder is not None
-        # Off the event loop (other sessions keep running), still under this session's lock.
-        try:
-            await asyncio.to_thread(self._recorder.save)
-        except OSError as exc:
-            # The run's result is not lost over the file: the notebook stays complete in memory
-            # and the next save writes it whole.
-            log.warning("could not save the recording %s: %s", self._recorder.path, exc)
 
     def _check_open(self) -> None:
         if self._closed:
             raise ExecutorClosedError(f"session {self.agent_id!r} is closed")
 
-    def _invalid_args(self, problems: list[str], agent_state: Any) -> ToolResult:
-        error = ExecError(kind="invalid_args", ename="InvalidArguments", evalue="; ".join(problems))
-        return ToolResult(
-            status="error",
-            error=error,
-            agent_state=agent_state,
-            sandbox_config_fingerprint=self.fingerprint,
-        )
-
-    async def _attach(self) -> tuple[KernelConnection, list[str] | None]:
-        """The kernel to run on, and the variables lost since the last run (if any)."""
-        lost, self._lost = self._lost, None
-        conn = self._conn
-        if conn is not None and not await conn.is_alive():
-            lost = (lost or []) + self._names
-            assert self._pool is not None
-            await self._pool.discard(conn)
-            conn = self._conn = None
-        if conn is None:
-            if self._pool is None:
-                self._pool = await self._get_pool()
-            conn = await self._pool.acquire()
-            self._conn = conn
-            self._names = []
-            self._kernel_attached()
-        return conn, lost
-
-    def _kernel_attached(self) -> None:
-        # The session's settings go with the next request instead of on their own: one round
-        # trip less per new kernel.
-        self._pending_config = {"cwd": str(self.workdir)}
-        if self._recorder is not None:
-            self._recorder.kernel_started(None)
-
-    async def _replace_kernel(self) -> None:
-        old, self._conn = self._conn, None
-        self._names = []
-        if old is not None:
-            assert self._pool is not None
-            self._conn = await self._pool.replace(old)
-            self._kernel_attached()
-
-    async def _run(
-        self, request: ExecuteRequest, timeout: float | None, callbacks: Callbacks
-    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
-        self._check_open()
-        start = time.monotonic()
+    def _check_timeout(self, timeout: float | None) -> float:
         timeout = self._timeout if timeout is None else timeout
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
+        return timeout
+
+    async def _observe(self, record: RunRecord) -> None:
+        for observer in self._observers:
+            await observer.run_finished(record)
+
+    async def _execute(
+        self, request: ExecuteRequest, timeout: float, callbacks: Callbacks
+    ) -> tuple[dict[str, Any], protocol.Report | None, int]:
+        """Run ``request`` on the lease's kernel: the result's fields, the kernel side's
+        report, and the number of the kernel that ran it."""
+        start = time.monotonic()
         try:
-            try:
-                conn, lost = await self._attach()
-            except EnvSetupError as exc:
-                fields = _not_run(
-                    ExecError(kind="env_setup_failed", ename="EnvSetupError", evalue=str(exc))
-                )
-                fields["duration_s"] = time.monotonic() - start
-                fields["timeout_s"] = timeout
-                return fields, None
-            out = await self._send(conn, request, timeout, callbacks)
-            if out.died and not out.started:
-                # The kernel died before it saw the request (e.g. killed between calls): the
-                # code never ran, so run it once on a fresh kernel.
-                lost = (lost or []) + self._names
-                await self._replace_kernel()
-                assert self._conn is not None
-                conn = self._conn
-                out = await self._send(conn, request, timeout, callbacks)
-            generation = self._recorder.generation if self._recorder is not None else 0
-            fields, result = await self._finish(out, conn, timeout, lost)
-        finally:
-            self.last_used = time.monotonic()
+            _, lost = await self._lease.attach()
+        except EnvSetupError as exc:
+            error = ExecError(kind="env_setup_failed", ename="EnvSetupError", evalue=str(exc))
+            fields = _not_run(error)
+            fields["duration_s"] = time.monotonic() - start
+            return fields, None, self._lease.generation
+        out = await self._send(request, timeout, callbacks)
+        if out.died and not out.started:
+            # The kernel died before it saw the request (e.g. killed between calls): the
+            # code never ran, so run it once on a fresh kernel.
+            lost = (lost or []) + await self._lease.replace()
+            out = await self._send(request, timeout, callbacks)
+        generation = self._lease.generation
+        fields, report = await self._finish(out, timeout, lost)
         fields["duration_s"] = time.monotonic() - start
-        fields["timeout_s"] = timeout
-        fields["kernel_generation"] = generation
-        return fields, result
+        return fields, report, generation
 
     async def _send(
-        self,
-        conn: KernelConnection,
-        request: ExecuteRequest,
-        timeout: float,
-        callbacks: Callbacks,
+        self, request: ExecuteRequest, timeout: float, callbacks: Callbacks
     ) -> RunOutcome:
-        if self._pending_config is not None:
-            metadata = dict(request.metadata or {})
-            spec = dict(metadata.get("kernelexec") or {})
-            spec["configure"], self._pending_config = self._pending_config, None
-            metadata["kernelexec"] = spec
-            request = dataclasses.replace(request, metadata=metadata)
+        conn = self._lease.connection
+        assert conn is not None
+        settings = self._lease.take_settings()
+        if settings is not None:
+            request = protocol.with_configure(request, settings)
         return await run_request(
             conn,
             request,
@@ -389,18 +332,18 @@ class AsyncSession:
         )
 
     async def _finish(
-        self, out: RunOutcome, conn: KernelConnection, timeout: float, lost: list[str] | None
-    ) -> tuple[dict[str, Any], dict[str, Any] | None]:
+        self, out: RunOutcome, timeout: float, lost: list[str] | None
+    ) -> tuple[dict[str, Any], protocol.Report | None]:
         error: ExecError | None = None
         restarted = lost is not None
         lost_names = list(lost or [])
-        result: dict[str, Any] | None = None
+        report: protocol.Report | None = None
         reply = out.reply or {}
-        asked_exit = any(p.get("source") == "ask_exit" for p in reply.get("payload") or [])
+        collected = out.collected
 
-        if out.died or out.stuck or asked_exit:
-            if out.died:
-                why = f"the kernel died ({_describe_exit(conn.exit_code)})"
+        if out.death is not None or out.stuck or protocol.asked_exit(reply):
+            if out.death is not None:
+                why = f"the kernel died ({out.death.reason})"
                 error = ExecError(kind="kernel_died", ename="KernelDied", evalue=why)
             elif out.stuck:
                 why = (
@@ -412,45 +355,32 @@ class AsyncSession:
                 why = "the code asked the kernel to exit; a fresh kernel replaces it"
                 error = ExecError(kind="kernel_died", ename="KernelExited", evalue=why)
             restarted = True
-            lost_names += self._names
-            await self._replace_kernel()
+            lost_names += await self._lease.replace()
         else:
-            report = _read_report(reply)
+            report = protocol.read_report(reply)
             if report is not None:
-                self._names = list(report.get("names") or [])
-                result = report.get("result")
-                info = report.get("language_info")
-                if self._recorder is not None and isinstance(info, dict):
-                    self._recorder.language_info(info)
+                self._lease.update_names(report.names)
             if out.timed_out:
                 error = ExecError(
                     kind="timeout",
                     ename="TimeoutError",
                     evalue=f"timed out after {timeout:g} s; interrupted, kernel state kept",
-                    traceback=list((out.error or {}).get("traceback") or []),
+                    traceback=list((collected.error or {}).get("traceback") or []),
                 )
-            elif reply.get("status") != "ok" or out.error is not None:
-                content = out.error or reply
-                ename = str(content.get("ename", "Error"))
-                error = ExecError(
-                    kind=_KIND_BY_ENAME.get(ename, "exception"),  # type: ignore[arg-type]
-                    ename=ename,
-                    evalue=str(content.get("evalue", "")),
-                    traceback=[str(t) for t in content.get("traceback") or []],
-                )
-        # Plain fields, not a model: the caller builds an Execution or a ToolResult once.
-        fields = {
+            elif reply.get("status") != "ok" or collected.error is not None:
+                error = protocol.error_from(collected.error or reply, protocol.failure_kind(reply))
+        fields: dict[str, Any] = {
             "status": "error" if error else "success",
-            "stdout": out.stdout,
-            "stderr": out.stderr,
-            "outputs": out.outputs,
-            "result": out.result,
+            "stdout": collected.stdout,
+            "stderr": collected.stderr,
+            "outputs": collected.outputs,
+            "result": collected.result,
             "error": error,
-            "execution_count": out.execution_count,
+            "execution_count": collected.execution_count,
             "kernel_restarted": restarted,
             "lost_variables": sorted(set(lost_names)),
         }
-        return fields, result
+        return fields, report
 
 
 def _not_run(error: ExecError) -> dict[str, Any]:
@@ -458,32 +388,15 @@ def _not_run(error: ExecError) -> dict[str, Any]:
     return {"status": "error", "error": error, "outputs": [], "stdout": "", "stderr": ""}
 
 
-def _read_report(reply: dict[str, Any]) -> dict[str, Any] | None:
-    entry = (reply.get("user_expressions") or {}).get("kx") or {}
-    text = (entry.get("data") or {}).get(RESULT_MIME)
-    if not isinstance(text, str):
+def _ran(result: Execution) -> bool:
+    return result.error is None or result.error.kind not in ("invalid_args", "env_setup_failed")
+
+
+def _env_problem(env_vars: Any) -> str | None:
+    if env_vars is None:
         return None
-    try:
-        report = json.loads(text)
-    except ValueError:
-        return None
-    return report if isinstance(report, dict) else None
-
-
-def _dump_state(state: Any) -> dict[str, Any]:
-    if isinstance(state, BaseModel):
-        cls = type(state)
-        return {
-            "data": state.model_dump(mode="json"),
-            "class": f"{cls.__module__}:{cls.__qualname__}",
-        }
-    return {"data": json.loads(json.dumps(state, default=str))}
-
-
-def _load_state(original: Any, data: Any) -> Any:
-    if isinstance(original, BaseModel):
-        try:
-            return type(original).model_validate(data)
-        except Exception:
-            return data
-    return data
+    if not isinstance(env_vars, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in env_vars.items()
+    ):
+        return "env_vars must map str to str"
+    return None

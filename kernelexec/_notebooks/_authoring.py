@@ -1,14 +1,14 @@
-"""Tools authored in notebooks: cells tagged ``tool`` become :class:`~kernelexec.Tool` values."""
+"""Tools authored in notebooks: finding the cells tagged ``tool`` and their requirements."""
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from kernelexec._exceptions import NotebookError, ToolDefinitionError
-from kernelexec._notebooks._recording import KEY, read_notebook
-from kernelexec._tools._tool import Tool
+from kernelexec._notebooks._io import KEY, read_notebook
 
 TOOL_TAG = "tool"
 _REQUIREMENTS = re.compile(r"^\s*#\s*requirements:\s*(.*)$", re.IGNORECASE)
@@ -39,30 +39,32 @@ def requirements_of(source: str, metadata: dict[str, Any]) -> list[str]:
     return list(dict.fromkeys(found))
 
 
-def tool_from_cell(source: str, metadata: dict[str, Any]) -> Tool:
-    """The tool a ``%%tool`` cell (or a cell tagged ``tool``) defines."""
-    source = strip_cell_magic(source)
-    return Tool.from_source(source, pip_requirements=requirements_of(source, metadata))
+@dataclass(frozen=True)
+class ToolCell:
+    """A code cell tagged ``tool``: its index, its source without the ``%%tool`` line, and
+    its requirements."""
+
+    index: int
+    source: str
+    requirements: list[str]
 
 
-def tools_from_notebook(path: str | Path) -> list[Tool]:
-    """Every tool defined in the notebook's code cells tagged ``tool``, in order.
+def tool_cells(path: str | Path) -> list[ToolCell]:
+    """The notebook's code cells tagged ``tool``, in order (``Tool.from_notebook`` makes the
+    tools; this module does not depend on them).
 
     Raises:
-        NotebookError: the notebook cannot be read, a tagged cell does not define exactly one
-            public function, or two cells define tools of the same name (the message names
-            the cell by index).
+        NotebookError: the notebook cannot be read, or a cell's requirements metadata is bad.
     """
     nb = read_notebook(path)
-    tools: dict[str, Tool] = {}
+    cells = []
     for index, cell in enumerate(nb.cells):
         if cell.cell_type != "code" or TOOL_TAG not in (cell.metadata.get("tags") or []):
             continue
+        source = strip_cell_magic(cell.source)
         try:
-            tool = tool_from_cell(cell.source, dict(cell.metadata))
+            requirements = requirements_of(source, dict(cell.metadata))
         except ToolDefinitionError as exc:
             raise NotebookError(f"{path}, cell {index}: {exc}") from None
-        if tool.name in tools:
-            raise NotebookError(f"{path}, cell {index}: a second tool named {tool.name!r}")
-        tools[tool.name] = tool
-    return list(tools.values())
+        cells.append(ToolCell(index, source, requirements))
+    return cells

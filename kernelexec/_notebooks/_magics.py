@@ -17,7 +17,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 
 from kernelexec._exceptions import KernelExecError
 from kernelexec._models import ToolResult
-from kernelexec._notebooks._authoring import tool_from_cell
+from kernelexec._notebooks._authoring import requirements_of, strip_cell_magic
 from kernelexec._sync import KernelExecutor
 from kernelexec._tools._tool import Tool
 
@@ -37,7 +37,8 @@ class ToolMagics(Magics):
     def tool(self, line: str, cell: str) -> None:
         """Define the cell's one public function as a tool and print its JSON schema."""
         try:
-            tool = tool_from_cell(cell, {})
+            source = strip_cell_magic(cell)
+            tool = Tool.from_source(source, pip_requirements=requirements_of(source, {}))
         except KernelExecError as exc:
             raise UsageError(f"%%tool: {exc}") from None
         assert self.shell is not None

@@ -1,16 +1,14 @@
-"""Recording a session as a notebook: every run becomes a code cell, saved atomically."""
+"""Recording a session as a notebook: every finished run becomes a code cell, saved atomically.
+
+The recorder is an observer of the session (``run_finished``): it gets each run as a frozen
+:class:`~kernelexec._models.RunRecord` and never drives the session.
+"""
 
 from __future__ import annotations
 
-import contextlib
-import datetime as dt
-import hashlib
+import asyncio
 import json
-import keyword
-import math
-import os
-import re
-import tempfile
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -19,91 +17,14 @@ import nbformat
 from nbformat import NotebookNode
 
 from kernelexec._exceptions import ConfigError, NotebookError
-from kernelexec._tools._tool import Tool
+from kernelexec._models import RunRecord, now_iso
+from kernelexec._notebooks._io import ERROR_TAG, KEY, call_source, read_notebook, write_atomic
+from kernelexec._protocol._host import state_json
 
-KEY = "kernelexec"
-"""The metadata key (cell and notebook) under which kernelexec keeps what it recorded."""
-
-ERROR_TAG = "raises-exception"
-"""nbclient/nbconvert keep running past a cell with this tag when it raises."""
+log = logging.getLogger("kernelexec")
 
 _MAX_RETURN_IN_META = 10_000
 _KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
-
-
-def safe_filename(agent_id: str) -> str:
-    """A file name (without suffix) for ``agent_id``; different ids never share one.
-
-    Ids made only of ``[A-Za-z0-9._-]`` (and not starting with a dot) are used as they are;
-    others get the unsafe characters replaced and a short hash of the real id appended.
-    """
-    cleaned = re.sub(r"[^A-Za-z0-9._-]", "_", agent_id)[:80]
-    if agent_id and cleaned == agent_id and not agent_id.startswith("."):
-        return agent_id
-    digest = hashlib.sha256(agent_id.encode()).hexdigest()[:8]
-    return f"{cleaned.lstrip('.') or 'agent'}-{digest}"
-
-
-def python_literal(value: Any) -> str:
-    """Python source that evaluates to the JSON value ``value`` (big ints and unicode exact)."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return f"float({str(value)!r})"
-    if isinstance(value, dict):
-        items = ", ".join(f"{python_literal(k)}: {python_literal(v)}" for k, v in value.items())
-        return "{" + items + "}"
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(python_literal(v) for v in value) + "]"
-    return repr(value)
-
-
-def call_source(name: str, args: dict[str, Any]) -> str:
-    """The Python call ``name(a=1, b='x')`` for JSON ``args``."""
-    if all(k.isidentifier() and not keyword.iskeyword(k) for k in args):
-        inner = ", ".join(f"{k}={python_literal(v)}" for k, v in args.items())
-    else:
-        inner = f"**{python_literal(args)}"
-    return f"{name}({inner})"
-
-
-def now_iso() -> str:
-    """The current UTC time in ISO 8601 with milliseconds."""
-    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Replace ``path`` with ``text`` so that a crash leaves the old or the new file, whole."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    with contextlib.suppress(OSError):
-        dir_fd = os.open(path.parent, os.O_RDONLY)
-        try:
-            os.fsync(dir_fd)
-        finally:
-            os.close(dir_fd)
-
-
-def read_notebook(path: str | Path) -> NotebookNode:
-    """Read and validate a notebook, raising :class:`NotebookError` with the reason."""
-    try:
-        nb = nbformat.read(str(path), as_version=4)
-    except FileNotFoundError:
-        raise NotebookError(f"{path}: no such file") from None
-    except Exception as exc:
-        raise NotebookError(f"{path} is not a readable notebook: {exc}") from None
-    try:
-        nbformat.validate(nb)
-    except nbformat.ValidationError as exc:
-        raise NotebookError(f"{path} is not a valid notebook: {exc.message}") from None
-    return nb
 
 
 class SessionRecorder:
@@ -127,7 +48,6 @@ class SessionRecorder:
         self.agent_id = agent_id
         self.path = path
         self._defined: dict[str, str] = {}  # tool name -> digest of the recorded definition
-        self.generation = 0  # counts the kernels the session has had
         self._recorded_generation = -1  # the kernel of the last recorded cell
         self._lock: filelock.FileLock | None = None
         self._cell_json: list[str] = []  # each recorded cell, serialised once
@@ -179,41 +99,50 @@ class SessionRecorder:
         }
         return nb
 
-    def kernel_started(self, language_info: dict[str, Any] | None = None) -> None:
-        """Note that the session got a fresh kernel (its state starts empty)."""
-        self.generation += 1
-        if language_info:
-            self.language_info(language_info)
+    async def run_finished(self, record: RunRecord) -> None:
+        """Record a finished run and save the file (off the event loop).
 
-    def language_info(self, info: dict[str, Any]) -> None:
-        """Keep the kernel's ``language_info`` in the notebook metadata."""
-        self.notebook.metadata["language_info"] = info
+        A save that fails (disk full, permissions) is logged and the run's result kept: the
+        notebook stays complete in memory and the next save writes it whole.
+        """
+        self.add(record)
+        if self.path is None:
+            return
+        try:
+            await asyncio.to_thread(self.save)
+        except OSError as exc:
+            log.warning("could not save the recording %s: %s", self.path, exc)
 
-    def _fresh_kernel(self, fields: dict[str, Any]) -> bool:
+    def add(self, record: RunRecord) -> None:
+        """Append ``record`` as cells: a code cell, or a tool's definition and call cells."""
+        if record.language_info:
+            self.notebook.metadata["language_info"] = dict(record.language_info)
+        if record.kind == "tool_call":
+            self._add_tool_call(record)
+        else:
+            self._add_code(record)
+
+    def _fresh_kernel(self, record: RunRecord) -> bool:
         """Whether this run is the first recorded one on its kernel (then replay restarts)."""
-        generation = int(fields.get("kernel_generation", self.generation))
-        fresh = generation != self._recorded_generation
+        fresh = record.kernel_generation != self._recorded_generation
         if fresh:
-            self._recorded_generation = generation
+            self._recorded_generation = record.kernel_generation
             self._defined.clear()
         return fresh
 
-    def _meta(
-        self, kind: str, fields: dict[str, Any], started: str, timeout: float, fresh: bool
-    ) -> dict[str, Any]:
-        error = fields.get("error")
-        meta: dict[str, Any] = {
+    def _meta(self, kind: str, record: RunRecord, fresh: bool) -> dict[str, Any]:
+        error = record.result.error
+        return {
             "kind": kind,
             "agent_id": self.agent_id,
-            "status": fields["status"],
+            "status": record.result.status if record.ran else "not_run",
             "error_kind": error.kind if error is not None else None,
-            "duration_s": round(float(fields.get("duration_s", 0.0)), 6),
-            "started": started,
-            "finished": now_iso(),
-            "timeout_s": timeout,
+            "duration_s": round(record.result.duration_s, 6),
+            "started": record.started,
+            "finished": record.finished,
+            "timeout_s": record.timeout_s,
             "fresh_kernel": fresh,
         }
-        return meta
 
     def _cell(
         self, source: str, outputs: list[Any], count: int | None, meta: dict[str, Any]
@@ -226,34 +155,31 @@ class SessionRecorder:
             cell.metadata["tags"] = [ERROR_TAG]
         return cell
 
-    def add_code(self, code: str, fields: dict[str, Any], started: str, timeout: float) -> None:
-        """Record a ``run_code`` run."""
-        meta = self._meta("code", fields, started, timeout, self._fresh_kernel(fields))
-        error = fields.get("error")
-        if error is not None and error.kind == "env_setup_failed":
-            why = error.evalue.splitlines()[0] if error.evalue else error.kind
-            commented = "\n".join(f"# {line}" for line in code.splitlines())
-            meta["status"] = "not_run"
-            source = f"# not run ({error.kind}: {why}):\n{commented}"
-            self.notebook.cells.append(self._cell(source, [], None, meta))
-            return
-        count = fields.get("execution_count")
-        self.notebook.cells.append(self._cell(code, fields["outputs"], count, meta))
+    def _not_run(self, source: str, record: RunRecord, meta: dict[str, Any]) -> None:
+        # The run never happened: keep it for the audit, commented out so it is not re-run.
+        error = record.result.error
+        assert error is not None
+        why = error.evalue.splitlines()[0] if error.evalue else error.kind
+        commented = "\n".join(f"# {line}" for line in source.splitlines())
+        text = f"# not run ({error.kind}: {why}):\n{commented}"
+        self.notebook.cells.append(self._cell(text, [], None, meta))
 
-    def add_tool_call(
-        self,
-        tool: Tool,
-        args: dict[str, Any],
-        fields: dict[str, Any],
-        started: str,
-        timeout: float,
-        agent_state: Any = None,
-    ) -> None:
-        """Record a tool call: the tool's definition (when new or changed), then the call."""
-        error = fields.get("error")
-        rejected = error is not None and error.kind in ("invalid_args", "env_setup_failed")
-        fresh = self._fresh_kernel(fields)
-        if not rejected and self._defined.get(tool.name) != tool.digest:
+    def _add_code(self, record: RunRecord) -> None:
+        assert record.code is not None
+        meta = self._meta("code", record, self._fresh_kernel(record))
+        if not record.ran:
+            self._not_run(record.code, record, meta)
+            return
+        result = record.result
+        self.notebook.cells.append(
+            self._cell(record.code, result.outputs, result.execution_count, meta)
+        )
+
+    def _add_tool_call(self, record: RunRecord) -> None:
+        tool, args, result = record.tool, record.args or {}, record.result
+        assert tool is not None
+        fresh = self._fresh_kernel(record)
+        if record.ran and self._defined.get(tool.name) != tool.digest:
             definition = nbformat.v4.new_code_cell(source=tool.source_code)
             definition.metadata[KEY] = {
                 "kind": "tool_definition",
@@ -268,26 +194,20 @@ class SessionRecorder:
             fresh = False
         call_args = dict(args)
         if tool.takes_agent_state:
-            call_args["agent_state"] = state_json(agent_state)
+            call_args["agent_state"] = state_json(record.agent_state)
         source = call_source(tool.name, call_args)
-        meta = self._meta("tool_call", fields, started, timeout, fresh)
+        meta = self._meta("tool_call", record, fresh)
         meta["tool"] = tool.name
         meta["args"] = args
-        value = fields.get("func_return")
+        value = getattr(result, "func_return", None)
         if len(json.dumps(value, ensure_ascii=False, default=str)) <= _MAX_RETURN_IN_META:
             meta["func_return"] = value
         else:
             meta["func_return_omitted"] = True  # too big; the cell's output shows it
-        if rejected:
-            # The tool never ran: keep the call for the audit but do not re-run it.
-            assert error is not None
-            why = error.evalue.splitlines()[0] if error.evalue else error.kind
-            source = f"# not run ({error.kind}: {why}):\n# {source}"
-            meta["status"] = "not_run"
-            self.notebook.cells.append(self._cell(source, [], None, meta))
+        if not record.ran:
+            self._not_run(source, record, meta)
             return
-        count = fields.get("execution_count")
-        self.notebook.cells.append(self._cell(source, fields["outputs"], count, meta))
+        self.notebook.cells.append(self._cell(source, result.outputs, result.execution_count, meta))
 
     def save(self) -> None:
         """Write the notebook to its file atomically (no-op when kept in memory).
@@ -319,11 +239,3 @@ def _dumps(value: Any) -> str:
 
 def _indented(text: str, prefix: str) -> str:
     return "\n".join(prefix + line for line in text.split("\n"))
-
-
-def state_json(agent_state: Any) -> Any:
-    """The JSON data of an agent state, as the recording shows it."""
-    dump = getattr(agent_state, "model_dump", None)
-    if callable(dump):
-        return dump(mode="json")
-    return json.loads(json.dumps(agent_state, default=str))

@@ -11,7 +11,7 @@ from pydantic import BaseModel, Field
 
 from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._envs._envs import VenvEnv
-from kernelexec._notebooks._recording import KEY, read_notebook
+from kernelexec._notebooks._io import KEY, read_notebook
 
 _VOLATILE = [
     (re.compile(r"0x[0-9a-fA-F]{4,}"), "0x…"),

@@ -12,7 +12,12 @@ What it does inside the kernel:
 * converts return values to JSON (see :func:`to_jsonable` for the rules) and hands them back
   through ``user_expressions`` in the execute reply, a channel the tool's own prints and displays
   cannot write to;
-* reports the names of user variables after each run, so the host can say what a restart lost.
+* reports the names of user variables after each run, so the host can say what a restart lost;
+* says, in the reply's payload, when one of its own checks failed (``ERROR_PAYLOAD``): the
+  host classifies errors by that, never by an exception's name, which user code controls.
+
+The constants below are shared with the host half (``kernelexec._protocol._host``), which
+imports this module; nothing here imports anything of kernelexec.
 """
 
 from __future__ import annotations
@@ -38,6 +43,23 @@ import uuid
 from typing import Any
 
 RESULT_MIME = "application/vnd.kernelexec.result+json"
+"""The MIME type of the report the host reads from ``user_expressions``."""
+
+MODULE_NAME = "__kernelexec__"
+"""The name this module is installed under in the kernel's ``sys.modules``."""
+
+REPORT_KEY = "kx"
+"""The ``user_expressions`` key of the report."""
+
+METADATA_KEY = "kernelexec"
+"""The request-metadata key that carries kernelexec's part of a request."""
+
+ERROR_PAYLOAD = "kernelexec.error"
+"""The ``source`` of the reply payload that names the kind of a failure kernelexec detected."""
+
+INVALID_TOOL = "invalid_tool"
+INVALID_ARGS = "invalid_args"
+RESULT_TOO_LARGE = "result_too_large"
 _HIDDEN = {"In", "Out", "exit", "quit", "get_ipython", "open"}
 
 
@@ -79,7 +101,16 @@ def _ip() -> Any:
 
 def _payload() -> dict[str, Any]:
     parent = _ip().kernel.get_parent()
-    return dict(parent.get("metadata", {}).get("kernelexec", {}))
+    return dict(parent.get("metadata", {}).get(METADATA_KEY, {}))
+
+
+def _failed(kind: str, error: Exception) -> Exception:
+    """Tell the host, through the reply's payload, what kind of failure ``error`` is.
+
+    Payloads reach the host whatever the run's status; only kernelexec's own checks call this.
+    """
+    _ip().payload_manager.write_payload({"source": ERROR_PAYLOAD, "kind": kind})
+    return error
 
 
 def _cap_stream(stream: Any, budget: _Budget) -> None:
@@ -159,13 +190,13 @@ def _fast_report(expression: str) -> None:
     original = shell.user_expressions
 
     def user_expressions(expressions: dict[str, str]) -> dict[str, Any]:
-        if len(expressions) != 1 or expressions.get("kx") != expression:
+        if len(expressions) != 1 or expressions.get(REPORT_KEY) != expression:
             return dict(original(expressions))
         try:
             data = _Report()._repr_mimebundle_()
         except Exception:
             return dict(original(expressions))
-        return {"kx": {"status": "ok", "data": data, "metadata": {}}}
+        return {REPORT_KEY: {"status": "ok", "data": data, "metadata": {}}}
 
     shell.user_expressions = user_expressions
 
@@ -188,6 +219,35 @@ def install() -> None:
     _ip().events.register("post_execute", lambda: _wait_for_fd_output(streams))
     _ip().events.register("pre_execute", budget.reset)
     _ip().events.register("pre_execute", configure)
+    _ip().events.register("pre_execute", _enter_env)
+    kernel = _ip().kernel
+    finish_metadata = kernel.finish_metadata
+
+    def finish(parent: Any, metadata: Any, reply_content: Any) -> Any:
+        # Called after every execute request, sync or async cell, success or error (IPython
+        # skips post_execute for top-level-await cells): the one place to end an overlay.
+        _leave_env()
+        return finish_metadata(parent, metadata, reply_content)
+
+    kernel.finish_metadata = finish
+
+
+def _enter_env() -> None:
+    """Set a run's per-call environment variables (``pre_execute``); see :func:`_leave_env`."""
+    _leave_env()  # a previous overlay is never left behind, whatever ended that run
+    env = _payload().get("env") or {}
+    if env and "name" not in _payload():  # tool calls overlay around the call itself
+        _state["env_saved"] = {key: os.environ.get(key) for key in env}
+        os.environ.update(env)
+
+
+def _leave_env() -> None:
+    saved = _state.pop("env_saved", None)
+    for key, old in (saved or {}).items():
+        if old is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = old
 
 
 def configure() -> None:
@@ -201,6 +261,7 @@ def configure() -> None:
     if not cfg:
         return
     if cfg.get("cwd"):
+        os.makedirs(cfg["cwd"], exist_ok=True)
         os.chdir(cfg["cwd"])
     _state["language_info"] = dict(getattr(_ip().kernel, "language_info", {}))
 
@@ -248,17 +309,17 @@ def _define(name: str, source: str, digest: str) -> tuple[Any, inspect.Signature
     try:
         code = compile(source, filename, "exec")
     except SyntaxError as exc:
-        raise KernelexecInvalidTool(f"{type(exc).__name__}: {exc}") from None
+        raise _failed(INVALID_TOOL, KernelexecInvalidTool(f"{type(exc).__name__}: {exc}")) from None
     linecache.cache[filename] = (len(source), None, source.splitlines(True), filename)
     try:
         exec(code, _ip().user_ns)
     except Exception as exc:
-        raise KernelexecInvalidTool(
-            f"defining tool {name!r} raised {type(exc).__name__}: {exc}"
-        ) from exc
+        message = f"defining tool {name!r} raised {type(exc).__name__}: {exc}"
+        raise _failed(INVALID_TOOL, KernelexecInvalidTool(message)) from exc
     fn = _ip().user_ns.get(name)
     if not callable(fn):
-        raise KernelexecInvalidTool(f"the tool source defines no function named {name!r}")
+        message = f"the tool source defines no function named {name!r}"
+        raise _failed(INVALID_TOOL, KernelexecInvalidTool(message))
     try:
         signature: inspect.Signature | None = inspect.signature(fn)
     except (TypeError, ValueError):
@@ -325,7 +386,7 @@ def call() -> Any:
         try:
             signature.bind(**args)
         except TypeError as exc:
-            raise KernelexecInvalidArgs(f"{name}(): {exc}") from None
+            raise _failed(INVALID_ARGS, KernelexecInvalidArgs(f"{name}(): {exc}")) from None
 
     env = spec.get("env") or {}
     saved = {key: os.environ.get(key) for key in env}
@@ -347,9 +408,8 @@ def call() -> Any:
         size = len(json.dumps(data, ensure_ascii=False, allow_nan=False))
         if size > limit:
             what = "return value" if part == "return" else "agent state"
-            raise KernelexecResultTooLarge(
-                f"the {what} is {size} characters as JSON; the limit is {limit}"
-            )
+            message = f"the {what} is {size} characters as JSON; the limit is {limit}"
+            raise _failed(RESULT_TOO_LARGE, KernelexecResultTooLarge(message))
     _state["result"] = result
     return value if spec.get("display") else None
 

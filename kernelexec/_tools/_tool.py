@@ -14,7 +14,8 @@ from typing import Any
 import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
-from kernelexec._exceptions import ToolDefinitionError, ToolSchemaWarning
+from kernelexec._exceptions import NotebookError, ToolDefinitionError, ToolSchemaWarning
+from kernelexec._notebooks._authoring import tool_cells
 from kernelexec._tools._schema import function_schema
 
 
@@ -112,9 +113,16 @@ class Tool(BaseModel):
         Raises:
             NotebookError: the notebook is unreadable or a tagged cell is not a valid tool.
         """
-        from kernelexec._notebooks._authoring import tools_from_notebook
-
-        return tools_from_notebook(path)
+        tools: dict[str, Tool] = {}
+        for cell in tool_cells(path):
+            try:
+                tool = cls.from_source(cell.source, pip_requirements=cell.requirements)
+            except ToolDefinitionError as exc:
+                raise NotebookError(f"{path}, cell {cell.index}: {exc}") from None
+            if tool.name in tools:
+                raise NotebookError(f"{path}, cell {cell.index}: a second tool named {tool.name!r}")
+            tools[tool.name] = tool
+        return list(tools.values())
 
     @property
     def description(self) -> str:

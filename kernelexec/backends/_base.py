@@ -1,107 +1,216 @@
-"""The backend interface: how kernelexec gets a kernel and talks to it.
+"""The backend interface: where a kernel runs and the door every message goes through.
 
-A backend starts kernels; a connection moves messages to and from one kernel and controls its
-process. Everything above this interface (the run loop, timeouts, output limits, the tool
-protocol, the pool) is written once in kernelexec and never touches zmq, processes or HTTP.
+A :class:`KernelBackend` starts kernels; a :class:`KernelConnection` moves messages to and from
+one kernel and controls it. Everything above this interface is written once in kernelexec and
+never touches zmq, processes or HTTP: the readiness handshake, installing the kernel-side helper,
+the execution policy (``stop_on_error``, ``allow_stdin``), the session's working directory, the
+run loop, timeouts, output limits, the tool protocol, recording and the kernel budget.
 
-Every method is called from the executor's single event-loop thread, never concurrently for one
-connection except :meth:`KernelConnection.interrupt`, which may be called while a run is in
-progress.
+Who calls what, and when (all on the executor's one event-loop thread):
+
+* :meth:`KernelBackend.check` and :meth:`KernelBackend.fingerprint`: by the executor, once per
+  environment, before any kernel of that environment is started.
+* :meth:`KernelBackend.start`: by a warm pool when a session needs a kernel or a warm kernel is
+  refilled. It returns once the channels are connected; kernelexec then sends ``kernel_info``
+  requests until one is answered on shell and seen on iopub.
+* :meth:`KernelConnection.send`: by the run loop (``execute_request``), the readiness handshake
+  (``kernel_info_request``), and any later caller that needs another message (comms,
+  ``debug_request``, ``interrupt_request`` on control).
+* :meth:`KernelConnection.receive`: by whoever waits for a reply (one waiter at a time per
+  connection). It also reports the kernel's death, as a :class:`KernelDied` value.
+* :meth:`KernelConnection.interrupt`: by the run loop at a timeout or cancellation, and by
+  ``Session.interrupt``; it may be called while ``receive`` is awaited.
+* :meth:`KernelConnection.restart` and :meth:`KernelConnection.shutdown`: by the pool when a
+  session's kernel must be replaced, is evicted, or the executor closes.
+
+Backends are found by name through the ``kernelexec.backends`` entry-point group (see
+:func:`kernelexec.backends.get_backend`); the local backend is registered there too.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass, field
-from typing import Any, Literal
+import hashlib
+from dataclasses import dataclass
+from typing import Any, ClassVar, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from kernelexec._exceptions import ConfigError
+
+Channel = Literal["shell", "control", "iopub", "stdin"]
+
+
+class KernelLaunch(BaseModel):
+    """Everything that describes a kernel to start; one value per environment.
+
+    Attributes:
+        env: The kernel's environment variables, exactly (kernelexec has already applied the
+            allowlist and the executor's ``env_vars``). A backend must not add the host's
+            environment; it may add what the kernel needs to run (its own paths).
+        interpreter: The Python interpreter to run the kernel with (a venv's), or None for the
+            backend's default. Only backends that run interpreters on the host support it.
+        kernel_name: The kernelspec to start, for backends that start kernels by name.
+        isolation: The isolation level asked for (``"none"``: a plain process).
+        limits: Resource limits asked for, by name (empty: none).
+        network: Whether the kernel may use the network (None: the level's default).
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    env: dict[str, str] = Field(default_factory=dict)
+    interpreter: str | None = None
+    kernel_name: str | None = None
+    isolation: str = "none"
+    limits: dict[str, float] = Field(default_factory=dict)
+    network: bool | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class KernelMessage:
-    """One Jupyter message as kernelexec's run loop needs it.
+    """One Jupyter message as kernelexec needs it.
 
-    A plain dataclass rather than a pydantic model: thousands of these are made per second on the
-    hot path and they never leave the library.
+    A plain dataclass rather than a pydantic model: thousands of these are made per second on
+    the hot path and they never leave the library.
     """
 
-    channel: Literal["shell", "iopub"]
+    channel: Channel
     msg_type: str
     parent_id: str | None
     content: dict[str, Any]
-    metadata: dict[str, Any] = field(default_factory=dict)
+    buffers: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
-class ExecuteRequest:
-    """The parts of an ``execute_request`` kernelexec sends."""
+class KernelDied:
+    """The kernel is gone; :meth:`KernelConnection.receive` returns this instead of a message.
 
-    code: str
-    silent: bool = False
-    store_history: bool = True
-    user_expressions: dict[str, str] = field(default_factory=dict)
-    metadata: dict[str, Any] = field(default_factory=dict)
+    Attributes:
+        reason: What happened, in words (``"killed by SIGKILL"``, ``"exit code 1"``,
+            ``"the gateway reports the kernel dead"``).
+        detail: More for a person to read (the tail of the kernel's stderr), or ``""``.
+    """
+
+    reason: str
+    detail: str = ""
 
 
 class KernelConnection(abc.ABC):
-    """A live kernel: its message channels and its lifecycle."""
-
-    @property
-    @abc.abstractmethod
-    def kernel_id(self) -> str:
-        """A stable identifier for logs and reports."""
+    """A live kernel: a door for messages both ways, and control over its lifecycle."""
 
     @abc.abstractmethod
-    async def execute(self, request: ExecuteRequest) -> str:
-        """Send an execute request (stdin never allowed); return its ``msg_id``.
+    async def send(
+        self,
+        channel: Literal["shell", "control"],
+        msg_type: str,
+        content: dict[str, Any],
+        *,
+        metadata: dict[str, Any] | None = None,
+        buffers: tuple[bytes, ...] = (),
+    ) -> str:
+        """Send one request on ``channel``; return its ``msg_id`` (replies carry it as parent).
 
-        Called by the run loop once per run.
+        Must not block on the kernel: a request to a busy or dead kernel is queued or lost, and
+        the caller learns which from :meth:`receive`.
         """
 
     @abc.abstractmethod
-    async def receive(self, timeout: float) -> KernelMessage | None:
-        """Return the next shell or iopub message, or None if none arrived within ``timeout``.
+    async def receive(self, timeout: float) -> KernelMessage | KernelDied | None:
+        """The next message from shell, control or iopub; :class:`KernelDied` once the kernel
+        is gone (and on every later call, until :meth:`restart`); None after ``timeout``
+        seconds without either.
 
-        Messages that fail to decode or carry a bad signature are dropped here: the kernel is an
-        untrusted peer and must not be able to crash the host's receive loop.
+        Messages already received are returned before the death is reported. Messages that
+        fail to decode or carry a bad signature are dropped here: the kernel is an untrusted
+        peer and must not be able to crash the host's receive loop.
         """
-
-    @abc.abstractmethod
-    async def is_alive(self) -> bool:
-        """Whether the kernel process still runs. Called when ``receive`` times out; cheap."""
-
-    @property
-    @abc.abstractmethod
-    def exit_code(self) -> int | None:
-        """The process exit status once the kernel died (negative: killed by that signal)."""
 
     @abc.abstractmethod
     async def interrupt(self) -> None:
-        """Ask the kernel to interrupt the running code (returns without waiting)."""
+        """Ask the kernel to interrupt the running code; return without waiting for it."""
 
     @abc.abstractmethod
     async def restart(self) -> None:
-        """Replace the kernel process with a fresh one (state lost); return when it is ready."""
+        """Replace the kernel with a fresh one (state lost); return once its channels are
+        connected. The caller repeats the readiness handshake."""
 
     @abc.abstractmethod
     async def shutdown(self) -> None:
-        """Stop the kernel immediately and release every resource (files, sockets, dirs).
+        """Stop the kernel now and release everything it held (files, sockets, directories).
 
-        Must be safe to call more than once and on a dead kernel.
+        Safe to call more than once and on a dead kernel.
         """
+
+    def diagnostics(self) -> str:
+        """Text that helps explain a failed start (the tail of the kernel's stderr), or ``""``."""
+        return ""
 
 
 class KernelBackend(abc.ABC):
-    """Starts kernels. One backend instance may serve many executors."""
+    """Starts kernels. One backend instance may serve many executors.
+
+    Attributes:
+        name: The name the backend is registered under in the ``kernelexec.backends``
+            entry-point group.
+        host_filesystem: True when kernels see the host's filesystem, so session working
+            directories are host paths that kernelexec creates and removes; False when they are
+            paths on the kernel's side (made by the kernel when a session starts).
+    """
+
+    name: ClassVar[str] = "custom"
+    host_filesystem: ClassVar[bool] = False
 
     @abc.abstractmethod
-    async def start(self, *, env: dict[str, str], timeout: float) -> KernelConnection:
-        """Start a kernel with exactly ``env`` as its environment; return once it is ready.
+    async def start(self, launch: KernelLaunch, *, timeout: float) -> KernelConnection:
+        """Start a kernel as ``launch`` describes; return once its channels are connected.
 
         Raises:
-            KernelStartError: the kernel did not become ready within ``timeout`` seconds, with
+            KernelStartError: the kernel could not be started within ``timeout`` seconds, with
                 the tail of its stderr when there is one. Nothing is left running.
         """
 
+    def check(self, launch: KernelLaunch) -> None:
+        """Refuse what this backend cannot do, before anything is started.
+
+        The default accepts only the environment: no interpreter, kernel name, isolation,
+        limits or network setting.
+
+        Raises:
+            ConfigError: naming the field and the backend.
+        """
+        unsupported = []
+        if launch.interpreter is not None:
+            unsupported.append("interpreter (virtual environments)")
+        if launch.kernel_name is not None:
+            unsupported.append("kernel_name")
+        if launch.isolation != "none":
+            unsupported.append(f"isolation={launch.isolation!r}")
+        if launch.limits:
+            unsupported.append(f"limits ({', '.join(sorted(launch.limits))})")
+        if launch.network is not None:
+            unsupported.append("network")
+        if unsupported:
+            raise ConfigError(
+                f"the {self.name!r} backend does not support {', '.join(unsupported)}"
+            )
+
+    def fingerprint(self, launch: KernelLaunch, base: str) -> str:
+        """The fingerprint of kernels started from ``launch``.
+
+        ``base`` is the environment's own fingerprint (``LocalEnv``/``VenvEnv``). The default
+        mixes in :meth:`describe` and the launch's kernel name, isolation, limits and network
+        setting (never ``env``: variables are per executor, not per environment).
+        """
+        parts = [
+            base,
+            self.describe(),
+            str(launch.kernel_name),
+            launch.isolation,
+            repr(sorted(launch.limits.items())),
+            str(launch.network),
+        ]
+        return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
     def describe(self) -> str:
-        """A short text identifying what this backend runs (used in fingerprints)."""
+        """A short text identifying where this backend runs kernels (for logs and fingerprints)."""
         return type(self).__name__

@@ -18,7 +18,7 @@ import subprocess
 import sys
 import time
 from collections import deque
-from typing import IO, Any
+from typing import IO, Any, Literal
 
 import zmq
 import zmq.asyncio
@@ -27,7 +27,13 @@ from jupyter_client.manager import AsyncKernelManager
 
 from kernelexec._exceptions import KernelStartError
 from kernelexec._tempdirs import make_owned_dir
-from kernelexec.backends._base import ExecuteRequest, KernelBackend, KernelConnection, KernelMessage
+from kernelexec.backends._base import (
+    KernelBackend,
+    KernelConnection,
+    KernelDied,
+    KernelLaunch,
+    KernelMessage,
+)
 
 # Flags that trim start-up: no history database (nothing written under ~/.ipython), and the
 # 0.5 ms sleep ipykernel inserts before every reply turned off.
@@ -73,14 +79,36 @@ class _FixedSpecs(KernelSpecManager):
         return self._spec
 
 
+_POLL = 0.05
+"""Seconds of silence after which ``receive`` checks whether the kernel process still runs
+(a non-blocking ``waitpid``: no I/O)."""
+
+_RECEIVED = ("shell", "iopub", "control")
+
+
+def describe_exit(code: int | None) -> str:
+    """An exit status in words: ``killed by SIGKILL``, ``exit code 1``."""
+    if code is None:
+        return "exit status unknown"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
 class LocalBackend(KernelBackend):
     """Starts ipykernel processes on this machine.
 
     Args:
-        python: The interpreter that runs the kernel; it must have ipykernel installed.
-            Defaults to the interpreter running kernelexec.
-        extra_args: Extra command-line arguments for ``ipykernel_launcher``.
+        python: The interpreter that runs kernels when the launch names none; it must have
+            ipykernel installed. Defaults to the interpreter running kernelexec.
+        extra_args: Extra command-line arguments for ipykernel.
     """
+
+    name = "local"
+    host_filesystem = True
 
     def __init__(self, python: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.python = python or sys.executable
@@ -89,10 +117,28 @@ class LocalBackend(KernelBackend):
     def describe(self) -> str:
         return f"local:{self.python}"
 
-    async def start(self, *, env: dict[str, str], timeout: float) -> KernelConnection:
-        conn = LocalConnection(self.python, self.extra_args, env)
+    def check(self, launch: KernelLaunch) -> None:
+        # Interpreters (venvs) are this backend's to run; everything else is the default's.
+        super().check(launch.model_copy(update={"interpreter": None}))
+
+    def fingerprint(self, launch: KernelLaunch, base: str) -> str:
+        # A plain local kernel is exactly its environment (whose fingerprint names the
+        # interpreter), so results keep the environment's fingerprint.
+        default = KernelLaunch(env=launch.env, interpreter=launch.interpreter)
+        if launch == default and self.python == sys.executable:
+            return base
+        return super().fingerprint(launch, base)
+
+    async def start(self, launch: KernelLaunch, *, timeout: float) -> KernelConnection:
+        self.check(launch)
+        python = launch.interpreter or self.python
+        conn = LocalConnection(python, self.extra_args, launch.env)
         try:
-            await conn.launch(timeout)
+            await asyncio.wait_for(conn.launch(), timeout)
+        except asyncio.TimeoutError:
+            detail = conn.diagnostics()
+            await asyncio.shield(conn.shutdown())
+            raise KernelStartError(f"kernel did not start within {timeout:g} s{detail}") from None
         except BaseException:
             await asyncio.shield(conn.shutdown())
             raise
@@ -100,7 +146,7 @@ class LocalBackend(KernelBackend):
 
 
 class LocalConnection(KernelConnection):
-    """A kernel process on this machine with its zmq channels."""
+    """A kernel process on this machine with its zmq channels (ipc sockets in a private dir)."""
 
     def __init__(self, python: str, extra_args: tuple[str, ...], env: dict[str, str]) -> None:
         self._python = python
@@ -108,24 +154,17 @@ class LocalConnection(KernelConnection):
         self._env = dict(env)
         self._dir = ""
         self._km: AsyncKernelManager | None = None
-        self._shell: zmq.asyncio.Socket | None = None
-        self._iopub: zmq.asyncio.Socket | None = None
+        self._kc: Any = None
+        self._sockets: dict[str, zmq.asyncio.Socket] = {}
         self._poller = zmq.asyncio.Poller()
         self._pending: deque[KernelMessage] = deque()
         self._stderr: IO[bytes] | None = None
-        self._exit_code: int | None = None
-        self._kc: Any = None
-        self._start_timeout = 30.0
+        self._died: KernelDied | None = None
         self._drain: list[tuple[str, zmq.Socket[bytes]]] = []
         self._seen: dict[bytes, None] = {}  # recent signatures: replayed messages are dropped
 
-    @property
-    def kernel_id(self) -> str:
-        return os.path.basename(self._dir) if self._dir else "(not started)"
-
-    async def launch(self, timeout: float) -> None:
-        """Start the process in a fresh private directory and wait until it answers."""
-        self._start_timeout = timeout
+    async def launch(self) -> None:
+        """Start the process in a fresh private directory and connect its channels."""
         # Short paths: ipc socket names must fit in sun_path (108 bytes).
         self._dir = make_owned_dir("kx-")
         spec = KernelSpec(
@@ -166,51 +205,29 @@ class LocalConnection(KernelConnection):
         except Exception as exc:
             raise KernelStartError(f"could not launch {self._python}: {exc}") from exc
         kc = km.client(context=_context())
-        kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=False)
+        kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=True)
         self._kc = kc
-        self._shell = kc.shell_channel.socket
-        self._iopub = kc.iopub_channel.socket
-        self._poller.register(self._shell, zmq.POLLIN)
-        self._poller.register(self._iopub, zmq.POLLIN)
-        # Blocking twins of the two sockets, to drain every ready message without a future each.
-        self._drain = [
-            ("shell", zmq.Socket.shadow(self._shell.underlying)),
-            ("iopub", zmq.Socket.shadow(self._iopub.underlying)),
-        ]
+        self._sockets = {
+            "shell": kc.shell_channel.socket,
+            "control": kc.control_channel.socket,
+        }
+        self._poller = zmq.asyncio.Poller()
+        receiving = {
+            "shell": kc.shell_channel.socket,
+            "iopub": kc.iopub_channel.socket,
+            "control": kc.control_channel.socket,
+        }
+        for name in _RECEIVED:
+            self._poller.register(receiving[name], zmq.POLLIN)
+        # Blocking twins of the sockets, to drain every ready message without a future each.
+        self._drain = [(name, zmq.Socket.shadow(receiving[name].underlying)) for name in _RECEIVED]
         self._seen.clear()
-        await self._wait_ready(timeout)
-
-    async def _wait_ready(self, timeout: float) -> None:
-        """Wait until the kernel answers on shell and its iopub reaches us.
-
-        jupyter-client's ``wait_for_ready`` ends with 0.2 s of listening for iopub silence, a
-        third of a cold start; here the kernel is ready as soon as one ``kernel_info`` request
-        has both its reply and an iopub message (its status), so no output can be missed.
-        """
-        deadline = time.monotonic() + timeout
-        asked: set[str] = set()
-        replied = published = False
-        while not (replied and published):
-            if time.monotonic() > deadline:
-                raise KernelStartError(
-                    f"kernel did not become ready within {timeout:g} s{self._stderr_tail()}"
-                )
-            asked.add(str(self._kc.kernel_info()))
-            until = time.monotonic() + 0.1  # resend: a slow-joining iopub misses the first
-            while time.monotonic() < until and not (replied and published):
-                msg = await self.receive(max(0.0, until - time.monotonic()))
-                if msg is None or msg.parent_id not in asked:
-                    continue
-                replied |= msg.channel == "shell" and msg.msg_type == "kernel_info_reply"
-                published |= msg.channel == "iopub"
-            if not (replied and published) and not await self.is_alive():
-                code = self._exit_code
-                raise KernelStartError(
-                    f"kernel exited (status {code}) before it was ready{self._stderr_tail()}"
-                )
         self._pending.clear()
+        self._died = None
 
-    def _stderr_tail(self, limit: int = 2000) -> str:
+    def diagnostics(self, limit: int = 2000) -> str:
+        if not self._dir:
+            return ""
         path = os.path.join(self._dir, "stderr.log")
         try:
             with open(path, "rb") as fh:
@@ -221,24 +238,43 @@ class LocalConnection(KernelConnection):
             return ""
         return f"\nkernel stderr:\n{text}" if text else ""
 
-    async def execute(self, request: ExecuteRequest) -> str:
-        content = {
-            "code": request.code,
-            "silent": request.silent,
-            "store_history": request.store_history,
-            "user_expressions": request.user_expressions,
-            "allow_stdin": False,
-            "stop_on_error": False,
-        }
-        msg = self._kc.session.msg("execute_request", content, metadata=request.metadata)
-        self._kc.shell_channel.send(msg)
+    async def send(
+        self,
+        channel: Literal["shell", "control"],
+        msg_type: str,
+        content: dict[str, Any],
+        *,
+        metadata: dict[str, Any] | None = None,
+        buffers: tuple[bytes, ...] = (),
+    ) -> str:
+        kc = self._kc
+        if kc is None:
+            raise KernelStartError("the kernel is shut down")
+        msg = kc.session.msg(msg_type, content, metadata=metadata)
+        kc.session.send(self._sockets[channel], msg, buffers=list(buffers) or None)
         return str(msg["header"]["msg_id"])
 
-    async def receive(self, timeout: float) -> KernelMessage | None:
+    async def receive(self, timeout: float) -> KernelMessage | KernelDied | None:
         if self._pending:
             return self._pending.popleft()
-        if not await self._poller.poll(timeout * 1000):
-            return None
+        if self._died is not None:
+            return self._died
+        deadline = time.monotonic() + timeout
+        while True:
+            wait = max(0.0, min(deadline - time.monotonic(), _POLL))
+            if await self._poller.poll(wait * 1000):
+                self._drain_ready()
+                if self._pending:
+                    return self._pending.popleft()
+            else:
+                died = self._check_process()
+                if died is not None:
+                    self._drain_ready()  # what it sent before dying comes first
+                    return self._pending.popleft() if self._pending else died
+            if time.monotonic() >= deadline:
+                return None
+
+    def _drain_ready(self) -> None:
         for channel, sock in self._drain:
             while True:
                 try:
@@ -248,7 +284,18 @@ class LocalConnection(KernelConnection):
                 msg = self._decode(channel, frames)
                 if msg is not None:
                     self._pending.append(msg)
-        return self._pending.popleft() if self._pending else None
+
+    def _check_process(self) -> KernelDied | None:
+        km = self._km
+        proc = getattr(km.provisioner, "process", None) if km is not None else None
+        if proc is None:
+            self._died = KernelDied("the kernel is shut down")
+            return self._died
+        code = proc.poll()
+        if code is None:
+            return None
+        self._died = KernelDied(describe_exit(code), self.diagnostics())
+        return self._died
 
     def _decode(self, channel: str, frames: list[bytes]) -> KernelMessage | None:
         # jupyter-client's Session.deserialize would also parse every header date with
@@ -272,25 +319,11 @@ class LocalConnection(KernelConnection):
                 msg_type=str(header["msg_type"]),
                 parent_id=parent.get("msg_id"),
                 content=content if isinstance(content, dict) else {},
-                metadata=json.loads(parts[3]) or {},
+                buffers=tuple(parts[5:]),
             )
         except Exception:
             # Garbage from the kernel (it holds the key and may send anything): drop it.
             return None
-
-    async def is_alive(self) -> bool:
-        km = self._km
-        if km is None or not km.has_kernel:
-            return False
-        alive = bool(await km.is_alive())
-        if not alive and self._exit_code is None:
-            proc = getattr(km.provisioner, "process", None)
-            self._exit_code = getattr(proc, "returncode", None)
-        return alive
-
-    @property
-    def exit_code(self) -> int | None:
-        return self._exit_code
 
     async def interrupt(self) -> None:
         km = self._km
@@ -300,20 +333,19 @@ class LocalConnection(KernelConnection):
 
     async def restart(self) -> None:
         await self.shutdown()
-        self._pending.clear()
-        self._exit_code = None
-        self._poller = zmq.asyncio.Poller()
-        await self.launch(self._start_timeout)
+        await self.launch()
 
     async def shutdown(self) -> None:
         km, self._km = self._km, None
         kc, self._kc = self._kc, None
         if kc is not None:
             kc.stop_channels()
-        self._shell = self._iopub = None
+        self._sockets = {}
         for _, sock in self._drain:
             sock.close(linger=0)
         self._drain = []
+        self._pending.clear()
+        self._died = KernelDied("the kernel is shut down")
         if km is not None:
             if km.has_kernel:
                 try:
@@ -327,6 +359,7 @@ class LocalConnection(KernelConnection):
             self._stderr = None
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = ""
 
 
 async def _kill_process_group(km: AsyncKernelManager) -> None:

@@ -1,0 +1,129 @@
+"""``KernelLease``: one session's hold on a kernel: taking one, replacing it, giving it back,
+and the user's variable names, so that whoever loses them is told which.
+
+The lease owns the session's FIFO lock (``hold``): a kernel runs one of the session's calls at
+a time, in the order they were made. The executor's budget sees a lease only through
+``busy``, ``has_kernel``, ``last_used`` and ``evict``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+from kernelexec._core._pool import KernelPool
+from kernelexec.backends._base import KernelConnection
+
+
+class KernelLease:
+    """A session's kernel, started lazily and replaced when it breaks.
+
+    Args:
+        agent_id: The session's agent id (for logs).
+        pool: Returns the pool of the session's environment; awaited on first use (it may
+            build a virtual environment).
+        workdir: The session's working directory, as the kernel sees it; a fresh kernel
+            creates it and changes into it on its first request.
+    """
+
+    def __init__(
+        self, agent_id: str, pool: Callable[[], Awaitable[KernelPool]], workdir: str
+    ) -> None:
+        self.agent_id = agent_id
+        self._get_pool = pool
+        self._workdir = workdir
+        self._pool: KernelPool | None = None
+        self._lock = asyncio.Lock()
+        self._conn: KernelConnection | None = None
+        self._names: tuple[str, ...] = ()
+        self._lost: list[str] | None = None  # state lost outside a run, not yet reported
+        self._fresh = False
+        self.generation = 0
+        """How many kernels this lease has had (the current one's number)."""
+        self.last_used = time.monotonic()
+
+    @property
+    def busy(self) -> bool:
+        """True while a call runs or waits to run."""
+        return self._lock.locked()
+
+    @property
+    def has_kernel(self) -> bool:
+        """Whether a kernel is attached now (it may be evicted when idle)."""
+        return self._conn is not None
+
+    @property
+    def connection(self) -> KernelConnection | None:
+        """The attached kernel, if any."""
+        return self._conn
+
+    @asynccontextmanager
+    async def hold(self) -> AsyncIterator[None]:
+        """Exclusive use of the lease, in the order asked for."""
+        async with self._lock:
+            try:
+                yield
+            finally:
+                self.last_used = time.monotonic()
+
+    async def attach(self) -> tuple[KernelConnection, list[str] | None]:
+        """The kernel to run on (taken from the pool if none is attached), and the variable
+        names lost since the last run when state was lost (else None)."""
+        lost, self._lost = self._lost, None
+        if self._conn is None:
+            if self._pool is None:
+                self._pool = await self._get_pool()
+            self._conn = await self._pool.acquire()
+            self._attached()
+        return self._conn, lost
+
+    def take_settings(self) -> dict[str, Any] | None:
+        """The settings a fresh kernel still needs (sent with its first request), once."""
+        if not self._fresh:
+            return None
+        self._fresh = False
+        return {"cwd": self._workdir}
+
+    def update_names(self, names: tuple[str, ...]) -> None:
+        """The user's variable names after a run."""
+        self._names = names
+
+    async def replace(self) -> list[str]:
+        """Give the kernel a fresh one in its place now; return the names that were lost."""
+        lost = list(self._names)
+        old, self._conn = self._conn, None
+        self._names = ()
+        if old is not None:
+            assert self._pool is not None
+            self._conn = await self._pool.replace(old)
+            self._attached()
+        return lost
+
+    async def lose_state(self) -> None:
+        """Replace the kernel, and report the lost names with the next run."""
+        self._lost = (self._lost or []) + await self.replace()
+
+    async def evict(self) -> None:
+        """Give the kernel back (idle culling or the budget); the next run starts fresh and
+        reports what was lost."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        self._lost = (self._lost or []) + list(self._names)
+        self._names = ()
+        assert self._pool is not None
+        await self._pool.discard(conn)
+
+    async def release(self) -> None:
+        """Shut the kernel down for good (the session closed)."""
+        conn, self._conn = self._conn, None
+        if conn is not None and self._pool is not None:
+            await self._pool.discard(conn)
+
+    def _attached(self) -> None:
+        self.generation += 1
+        self._names = ()
+        self._fresh = True

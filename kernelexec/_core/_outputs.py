@@ -1,0 +1,147 @@
+"""Collecting a run's outputs: nbformat outputs from iopub messages, within a budget.
+
+Streams are coalesced, ``clear_output(wait=True)`` and display-id updates are honoured, and the
+callers' ``on_stdout``/``on_stderr``/``on_display`` hooks see output as it arrives.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from nbformat.v4 import output_from_msg
+
+from kernelexec.backends._base import KernelMessage
+
+OutputCallback = Callable[[Any], Awaitable[None] | None]
+
+
+@dataclass
+class Callbacks:
+    """Optional hooks called as output arrives (sync functions or coroutines)."""
+
+    on_stdout: OutputCallback | None = None
+    on_stderr: OutputCallback | None = None
+    on_display: OutputCallback | None = None
+
+    async def emit(self, hook: OutputCallback | None, value: Any) -> None:
+        if hook is None:
+            return
+        ret = hook(value)
+        if inspect.isawaitable(ret):
+            await ret
+
+
+@dataclass
+class Collected:
+    """What a run produced, as the collector built it."""
+
+    outputs: list[dict[str, Any]] = field(default_factory=list)
+    stdout: str = ""
+    stderr: str = ""
+    result: str | None = None
+    error: dict[str, Any] | None = None
+    execution_count: int | None = None
+
+
+class OutputCollector:
+    """Builds nbformat outputs from iopub messages, within a character budget."""
+
+    def __init__(self, out: Collected, budget: int, callbacks: Callbacks) -> None:
+        self.out = out
+        self.budget = budget
+        self.callbacks = callbacks
+        self.truncated = False
+        self.clear_pending = False
+        self.display_index: dict[str, list[int]] = {}
+
+    def _room(self) -> int:
+        return self.budget - len(self.out.stdout) - len(self.out.stderr)
+
+    async def add(self, msg: KernelMessage) -> None:
+        kind = msg.msg_type
+        content = msg.content
+        if kind == "execute_input":
+            self.out.execution_count = content.get("execution_count")
+            return
+        if kind == "clear_output":
+            if content.get("wait"):
+                self.clear_pending = True
+            else:
+                self._clear()
+            return
+        if kind == "update_display_data":
+            self._update_display(content)
+            return
+        if kind not in ("stream", "display_data", "execute_result", "error"):
+            return
+        if self.clear_pending:
+            self._clear()
+        if kind == "stream":
+            await self._stream(content.get("name", "stdout"), str(content.get("text", "")))
+            return
+        try:
+            msg_dict = {"header": {"msg_type": kind}, "content": content}
+            output = dict(output_from_msg(msg_dict))  # type: ignore[no-untyped-call]
+        except Exception:
+            return  # malformed output from the kernel
+        if kind == "error":
+            self.out.error = content
+        elif kind == "execute_result":
+            self.out.execution_count = content.get("execution_count")
+            self.out.result = str(output.get("data", {}).get("text/plain", ""))
+        if kind in ("display_data", "execute_result"):
+            self._bound_display(output)
+            display_id = (content.get("transient") or {}).get("display_id")
+            if display_id:
+                self.display_index.setdefault(display_id, []).append(len(self.out.outputs))
+        self.out.outputs.append(output)
+        if kind == "display_data":
+            await self.callbacks.emit(self.callbacks.on_display, output)
+
+    async def _stream(self, name: str, text: str) -> None:
+        name = "stderr" if name == "stderr" else "stdout"
+        if self.truncated:
+            return
+        room = self._room()
+        if len(text) > room:
+            text = text[: max(room, 0)] + (
+                f"\n[kernelexec: output truncated at {self.budget} characters]\n"
+            )
+            self.truncated = True
+        if not text:
+            return
+        if name == "stdout":
+            self.out.stdout += text
+        else:
+            self.out.stderr += text
+        outputs = self.out.outputs
+        if outputs and outputs[-1].get("output_type") == "stream" and outputs[-1]["name"] == name:
+            outputs[-1]["text"] += text
+        else:
+            outputs.append({"output_type": "stream", "name": name, "text": text})
+        hook = self.callbacks.on_stdout if name == "stdout" else self.callbacks.on_stderr
+        await self.callbacks.emit(hook, text)
+
+    def _bound_display(self, output: dict[str, Any]) -> None:
+        data = output.get("data") or {}
+        size = sum(len(str(v)) for v in data.values())
+        if size > self.budget:
+            output["data"] = {
+                "text/plain": f"[kernelexec: display output of {size} characters dropped]"
+            }
+
+    def _update_display(self, content: dict[str, Any]) -> None:
+        display_id = (content.get("transient") or {}).get("display_id")
+        for index in self.display_index.get(display_id or "", []):
+            output = self.out.outputs[index]
+            output["data"] = content.get("data", {})
+            output["metadata"] = content.get("metadata", {})
+            self._bound_display(output)
+
+    def _clear(self) -> None:
+        self.out.outputs.clear()
+        self.display_index.clear()
+        self.clear_pending = False

@@ -1,0 +1,237 @@
+"""The host half of kernelexec's protocol: building requests, reading reports, naming errors.
+
+Its counterpart runs inside the kernel (``_kernel_side.py``, sent as text at start-up); the
+constants both halves need are defined there and imported here, so they cannot drift apart.
+Plain functions and frozen values: no I/O, no kernel, no state.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.resources
+import json
+import os
+from dataclasses import dataclass, field
+from typing import Any, cast
+
+from pydantic import BaseModel
+
+from kernelexec._models import ErrorKind, ExecError
+from kernelexec._protocol import _kernel_side as kernel_side
+from kernelexec._tools._tool import Tool
+
+RESULT_MIME = kernel_side.RESULT_MIME
+_MODULE = f"__import__({kernel_side.MODULE_NAME!r})"
+REPORT_EXPRESSION = f"{_MODULE}.report()"
+_REPORT = {kernel_side.REPORT_KEY: REPORT_EXPRESSION}
+_KERNEL_KINDS: frozenset[str] = frozenset(
+    {kernel_side.INVALID_TOOL, kernel_side.INVALID_ARGS, kernel_side.RESULT_TOO_LARGE}
+)
+
+
+@dataclass(frozen=True, slots=True)
+class ExecuteRequest:
+    """The parts of an ``execute_request`` kernelexec sends."""
+
+    code: str
+    silent: bool = False
+    store_history: bool = True
+    user_expressions: dict[str, str] = field(default_factory=dict)
+    metadata: dict[str, Any] = field(default_factory=dict)
+
+    def content(self) -> dict[str, Any]:
+        """The message content, with kernelexec's execution policy for every backend: no
+        stdin (a tool asking for input fails instead of hanging) and no aborting of queued
+        requests after an error (each call stands alone)."""
+        return {
+            "code": self.code,
+            "silent": self.silent,
+            "store_history": self.store_history,
+            "user_expressions": self.user_expressions,
+            "allow_stdin": False,
+            "stop_on_error": False,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    """What the kernel side reports after a successful run.
+
+    Attributes:
+        names: The user's variable names now.
+        result: A tool call's ``{"return": ..., "agent_state": ...}``, else None.
+        language_info: The kernel's ``language_info`` (on a session's first run only).
+    """
+
+    names: tuple[str, ...] = ()
+    result: dict[str, Any] | None = None
+    language_info: dict[str, Any] | None = None
+
+
+def bootstrap_request(max_output_chars: int, *, fast_paths: bool | None = None) -> ExecuteRequest:
+    """The request that installs the kernel side in a fresh kernel (its source rides along)."""
+    source = importlib.resources.files(__package__).joinpath("_kernel_side.py").read_text()
+    if fast_paths is None:
+        fast_paths = os.environ.get("KERNELEXEC_NO_FAST_PATHS") != "1"
+    code = (
+        "def __kx_install():\n"
+        "    import sys, types\n"
+        "    from IPython import get_ipython\n"
+        f"    meta = get_ipython().kernel.get_parent()['metadata'][{kernel_side.METADATA_KEY!r}]\n"
+        f"    mod = types.ModuleType({kernel_side.MODULE_NAME!r})\n"
+        f"    sys.modules[{kernel_side.MODULE_NAME!r}] = mod\n"
+        "    exec(compile(meta['source'], '<kernelexec>', 'exec'), mod.__dict__)\n"
+        "    mod.install()\n"
+        "__kx_install(); del __kx_install\n"
+    )
+    return ExecuteRequest(
+        code=code,
+        silent=True,
+        store_history=False,
+        metadata={
+            kernel_side.METADATA_KEY: {
+                "source": source,
+                "max_output_chars": max_output_chars,
+                "report_expression": REPORT_EXPRESSION,
+                "fast_paths": fast_paths,
+            }
+        },
+    )
+
+
+WARM_TRACEBACKS = ExecuteRequest(
+    code=f"{_MODULE}.warm_tracebacks()", silent=True, store_history=False
+)
+"""Formats one traceback ahead of need, so a prewarmed kernel's first error is not slow."""
+
+
+def code_request(code: str, env_vars: dict[str, str] | None = None) -> ExecuteRequest:
+    """A ``run_code`` request: the code as it is, the report, and the run's own variables."""
+    metadata = {kernel_side.METADATA_KEY: {"env": dict(env_vars)}} if env_vars else {}
+    return ExecuteRequest(code=code, user_expressions=_REPORT, metadata=metadata)
+
+
+def tool_call_request(
+    tool: Tool,
+    args: dict[str, Any],
+    *,
+    agent_state: Any,
+    env_vars: dict[str, str] | None,
+    max_result_chars: int,
+    display: bool,
+) -> ExecuteRequest:
+    """A tool call: the arguments travel as JSON in the metadata, never as code."""
+    spec: dict[str, Any] = {
+        "name": tool.name,
+        "digest": tool.digest,
+        "args": json.dumps(args, ensure_ascii=False),
+        "env": dict(env_vars or {}),
+        "max_result_chars": max_result_chars,
+        "source": tool.source_code,
+    }
+    if tool.takes_agent_state:
+        spec["agent_state"] = dump_state(agent_state)
+    if display:
+        spec["display"] = True
+    return ExecuteRequest(
+        code=f"{_MODULE}.call()",
+        user_expressions=_REPORT,
+        metadata={kernel_side.METADATA_KEY: spec},
+    )
+
+
+def with_configure(request: ExecuteRequest, settings: dict[str, Any]) -> ExecuteRequest:
+    """``request`` carrying a session's settings (working directory) for a fresh kernel.
+
+    They ride on the session's first request instead of going on their own: one round trip
+    less per new kernel.
+    """
+    metadata = dict(request.metadata)
+    spec = dict(metadata.get(kernel_side.METADATA_KEY) or {})
+    spec["configure"] = settings
+    metadata[kernel_side.METADATA_KEY] = spec
+    return dataclasses.replace(request, metadata=metadata)
+
+
+def read_report(reply: dict[str, Any]) -> Report | None:
+    """The kernel side's report from an ``execute_reply`` (None when it has none)."""
+    entry = (reply.get("user_expressions") or {}).get(kernel_side.REPORT_KEY) or {}
+    text = (entry.get("data") or {}).get(RESULT_MIME)
+    if not isinstance(text, str):
+        return None
+    try:
+        data = json.loads(text)
+    except ValueError:
+        return None
+    if not isinstance(data, dict):
+        return None
+    names = data.get("names")
+    result = data.get("result")
+    info = data.get("language_info")
+    return Report(
+        names=tuple(str(n) for n in names) if isinstance(names, list) else (),
+        result=result if isinstance(result, dict) else None,
+        language_info=info if isinstance(info, dict) else None,
+    )
+
+
+def asked_exit(reply: dict[str, Any]) -> bool:
+    """Whether the code asked the kernel to exit (``exit()``, ``quit()``)."""
+    return any(p.get("source") == "ask_exit" for p in _payloads(reply))
+
+
+def failure_kind(reply: dict[str, Any]) -> ErrorKind:
+    """The kind of a failed run: what kernelexec's own checks in the kernel said, else
+    ``"exception"``. An exception's name never decides it."""
+    for payload in _payloads(reply):
+        if payload.get("source") == kernel_side.ERROR_PAYLOAD:
+            kind = payload.get("kind")
+            if kind in _KERNEL_KINDS:
+                return cast(ErrorKind, kind)
+    return "exception"
+
+
+def error_from(content: dict[str, Any], kind: ErrorKind) -> ExecError:
+    """An :class:`ExecError` from an ``error`` output or an error ``execute_reply``."""
+    return ExecError(
+        kind=kind,
+        ename=str(content.get("ename", "Error")),
+        evalue=str(content.get("evalue", "")),
+        traceback=[str(t) for t in content.get("traceback") or []],
+    )
+
+
+def _payloads(reply: dict[str, Any]) -> list[dict[str, Any]]:
+    payloads = reply.get("payload")
+    if not isinstance(payloads, list):
+        return []
+    return [p for p in payloads if isinstance(p, dict)]
+
+
+def dump_state(state: Any) -> dict[str, Any]:
+    """An agent state as JSON data for the kernel, with its pydantic class when it has one."""
+    if isinstance(state, BaseModel):
+        cls = type(state)
+        return {
+            "data": state.model_dump(mode="json"),
+            "class": f"{cls.__module__}:{cls.__qualname__}",
+        }
+    return {"data": state_json(state)}
+
+
+def load_state(original: Any, data: Any) -> Any:
+    """The agent state the kernel sent back, as the class the caller passed in when it can."""
+    if isinstance(original, BaseModel):
+        try:
+            return type(original).model_validate(data)
+        except Exception:
+            return data
+    return data
+
+
+def state_json(agent_state: Any) -> Any:
+    """The JSON data of an agent state (pydantic models dumped, anything else via ``str``)."""
+    dump = getattr(agent_state, "model_dump", None)
+    if callable(dump):
+        return dump(mode="json")
+    return json.loads(json.dumps(agent_state, default=str))
