@@ -137,20 +137,21 @@ class AsyncSession:
             started = now_iso()
             result, report, generation = await self._execute(request, timeout, callbacks)
             execution = Execution(**result)
-            await self._observe(
-                RunRecord(
-                    kind="code",
-                    agent_id=self.agent_id,
-                    result=execution,
-                    code=code,
-                    ran=_ran(execution),
-                    started=started,
-                    finished=now_iso(),
-                    timeout_s=timeout,
-                    kernel_generation=generation,
-                    language_info=report.language_info if report else None,
+            if self._observers:
+                await self._observe(
+                    RunRecord(
+                        kind="code",
+                        agent_id=self.agent_id,
+                        result=execution,
+                        code=code,
+                        ran=_ran(execution),
+                        started=started,
+                        finished=now_iso(),
+                        timeout_s=timeout,
+                        kernel_generation=generation,
+                        language_info=report.language_info if report else None,
+                    )
                 )
-            )
         return execution
 
     async def call_tool(
@@ -221,22 +222,23 @@ class AsyncSession:
                             agent_state, report.result["agent_state"]
                         )
                 full = ToolResult(**fields)
-            await self._observe(
-                RunRecord(
-                    kind="tool_call",
-                    agent_id=self.agent_id,
-                    result=full,
-                    tool=tool,
-                    args=args,
-                    agent_state=agent_state,
-                    ran=_ran(full),
-                    started=started,
-                    finished=now_iso(),
-                    timeout_s=timeout,
-                    kernel_generation=generation,
-                    language_info=report.language_info if report else None,
+            if self._observers:
+                await self._observe(
+                    RunRecord(
+                        kind="tool_call",
+                        agent_id=self.agent_id,
+                        result=full,
+                        tool=tool,
+                        args=args,
+                        agent_state=agent_state,
+                        ran=_ran(full),
+                        started=started,
+                        finished=now_iso(),
+                        timeout_s=timeout,
+                        kernel_generation=generation,
+                        language_info=report.language_info if report else None,
+                    )
                 )
-            )
         if not recording:
             return full
         # The return value was displayed only for the notebook; the result is the same whether
