@@ -14,28 +14,27 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import psutil
+
 PREFIXES = ("kx-", "kernelexec-")
 OWNER_FILE = ".owner"
 _swept = False
 
 
 def _start_time(pid: int) -> str:
-    """The process start time (clock ticks since boot) on Linux, else ''."""
+    """The process's start time as text (seconds since the epoch), or '' if it is gone."""
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        return repr(psutil.Process(pid).create_time())
+    except (psutil.Error, OSError):
         return ""
-    return stat.rsplit(")", 1)[1].split()[19]
 
 
 def _alive(pid: int, start: str) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    """Whether the process ``pid`` that started at ``start`` still runs (a reused pid has
+    another start time)."""
+    if not psutil.pid_exists(pid):
         return False
-    except PermissionError:
-        return True
-    return not start or _start_time(pid) in ("", start)  # a reused pid has another start time
+    return not start or _start_time(pid) in ("", start)
 
 
 def make_owned_dir(prefix: str) -> str:
