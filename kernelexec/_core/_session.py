@@ -18,7 +18,8 @@ from nbformat import NotebookNode
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, OutputCallback
 from kernelexec._core._run import RunOutcome, run_request
-from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
+from kernelexec._core._state import Lifecycle
+from kernelexec._exceptions import EnvSetupError
 from kernelexec._models import ExecError, Execution, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._protocol import _host as protocol
@@ -76,7 +77,7 @@ class AsyncSession:
             (recorder, *observers) if recorder is not None else observers
         )
         self._on_close = on_close
-        self._closed = False
+        self._state = Lifecycle(f"session {agent_id!r}", opened=True)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -133,7 +134,7 @@ class AsyncSession:
         request = protocol.code_request(code, env_vars)
         callbacks = Callbacks(on_stdout, on_stderr, on_display)
         async with self._lease.hold():
-            self._check_open()
+            self._state.check()
             started = now_iso()
             result, report, generation = await self._execute(request, timeout, callbacks)
             execution = Execution(**result)
@@ -189,7 +190,7 @@ class AsyncSession:
             problems.append(problem)
         recording = self._recorder is not None
         async with self._lease.hold():
-            self._check_open()
+            self._state.check()
             started = now_iso()
             if problems:
                 error = ExecError(
@@ -248,7 +249,7 @@ class AsyncSession:
 
     async def interrupt(self) -> None:
         """Interrupt whatever the kernel is running now (the running call gets the error)."""
-        self._check_open()
+        self._state.check()
         conn = self._lease.connection
         if conn is not None:
             await conn.interrupt()
@@ -256,7 +257,7 @@ class AsyncSession:
     async def restart(self) -> None:
         """Replace the kernel with a fresh one now; all state is lost."""
         async with self._lease.hold():
-            self._check_open()
+            self._state.check()
             if self._lease.has_kernel:
                 await self._lease.lose_state()
 
@@ -269,17 +270,12 @@ class AsyncSession:
 
     def mark_closed(self) -> None:
         """Refuse further calls and let the observers go (used by the executor)."""
-        if self._closed:
+        if not self._state.close():
             return
-        self._closed = True
         for observer in self._observers:
             observer.close()
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ExecutorClosedError(f"session {self.agent_id!r} is closed")
 
     def _check_timeout(self, timeout: float | None) -> float:
         timeout = self._timeout if timeout is None else timeout
