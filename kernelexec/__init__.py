@@ -27,7 +27,14 @@ from kernelexec._exceptions import (
     ToolDefinitionError,
     ToolSchemaWarning,
 )
-from kernelexec._models import DEFAULT_ENV_ALLOWLIST, ExecError, Execution, ToolResult
+from kernelexec._models import (
+    DEFAULT_ENV_ALLOWLIST,
+    ExecError,
+    Execution,
+    Isolation,
+    Limits,
+    ToolResult,
+)
 from kernelexec._notebooks._replay import CellDifference, ReplayReport, areplay
 from kernelexec._sync import KernelExecutor, Session, replay
 from kernelexec._tools._tool import Tool
@@ -69,9 +76,11 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "ExecutionTimeout",
     "ExecutorClosedError",
     "ExecutorConfig",
+    "Isolation",
     "KernelExecError",
     "KernelExecutor",
     "KernelStartError",
+    "Limits",
     "LocalEnv",
     "NotebookError",
     "PoolExhaustedError",

@@ -16,7 +16,7 @@ from pydantic import (
 
 from kernelexec._envs._envs import Env, LocalEnv
 from kernelexec._exceptions import ConfigError
-from kernelexec._models import DEFAULT_ENV_ALLOWLIST
+from kernelexec._models import DEFAULT_ENV_ALLOWLIST, Limits
 
 
 class ExecutorConfig(BaseModel):
@@ -46,6 +46,13 @@ class ExecutorConfig(BaseModel):
             ``"uv"`` or ``"pip"``.
         record_dir: Also save each session's recording to ``<record_dir>/<agent id>.ipynb``
             after every run (implies ``record``; created if missing).
+        isolation: ``"process"`` (limits, a scrubbed environment, every descendant reaped, its
+            own user on a root host), ``"bwrap"`` (bubblewrap namespaces on top) or ``"none"``
+            (a plain process of the host user); None: the backend's default (``"process"`` for
+            the local backend). See the README's Security model.
+        limits: Resource limits per kernel (None: the defaults; not allowed with ``"none"``).
+        network: Whether kernels may use the network; None: off under ``"bwrap"`` (loopback
+            only), on otherwise. ``False`` needs ``"bwrap"``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -67,6 +74,9 @@ class ExecutorConfig(BaseModel):
     cache_dir: Path | None = None
     installer: Literal["auto", "uv", "pip"] = "auto"
     record_dir: Path | None = None
+    isolation: Literal["none", "process", "bwrap"] | None = None
+    limits: Limits | None = None
+    network: bool | None = None
 
     @field_validator("workdir", "record_dir", "cache_dir")
     @classmethod
@@ -79,6 +89,13 @@ class ExecutorConfig(BaseModel):
             raise ValueError(f"prewarm ({self.prewarm}) exceeds max_kernels ({self.max_kernels})")
         if self.record_dir is not None:
             object.__setattr__(self, "record", True)
+        if self.isolation == "none" and self.limits is not None and self.limits.given():
+            raise ValueError("limits need isolation 'process' or 'bwrap', not 'none'")
+        if self.network is False and self.isolation not in ("bwrap", None):
+            raise ValueError(
+                f"network=False needs isolation='bwrap' (a network namespace); "
+                f"isolation={self.isolation!r} cannot take the network away"
+            )
         return self
 
 

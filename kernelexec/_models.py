@@ -23,6 +23,7 @@ ErrorKind = Literal[
     "invalid_tool",
     "result_too_large",
     "env_setup_failed",
+    "limit_exceeded",
 ]
 
 DEFAULT_ENV_ALLOWLIST: tuple[str, ...] = (
@@ -43,6 +44,57 @@ DEFAULT_ENV_ALLOWLIST: tuple[str, ...] = (
 """Host environment variables a kernel inherits (when set); everything else is dropped."""
 
 
+class Limits(BaseModel):
+    """Resource limits of each kernel; a field left at None gets kernelexec's default.
+
+    A limit given here is enforced or refused: when the host has no mechanism for it, the
+    executor raises :class:`~kernelexec.ConfigError` naming the limit and what is missing. The
+    defaults (:data:`DEFAULT_LIMITS`) are applied with the best mechanism the host has and
+    reported in ``Session.isolation``.
+
+    Attributes:
+        memory_mb: Memory of the kernel and its children, in MiB (cgroup memory; else
+            ``RLIMIT_AS`` per process, which counts address space, not resident memory).
+        cpus: CPU time share as a number of cores (cgroup CPU quota; no fallback).
+        max_processes: Processes and threads of the kernel and its children (cgroup pids;
+            else ``RLIMIT_NPROC`` when the kernel runs as its own user; no other fallback).
+        max_open_files: Open file descriptors per process (``RLIMIT_NOFILE``; at least 128,
+            which ipykernel needs).
+        max_file_mb: Largest file a process may write, in MiB (``RLIMIT_FSIZE``: writing past
+            it raises ``OSError`` "File too large"; it bounds one file, not the disk).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    memory_mb: int | None = Field(None, ge=64)
+    cpus: float | None = Field(None, gt=0)
+    max_processes: int | None = Field(None, ge=32)
+    max_open_files: int | None = Field(None, ge=128)
+    max_file_mb: int | None = Field(None, ge=1)
+
+    def given(self) -> dict[str, float]:
+        """The limits set explicitly, by name."""
+        return {k: float(v) for k, v in self.model_dump().items() if v is not None}
+
+
+class Isolation(BaseModel):
+    """What is in force for a session's kernel (``Session.isolation``).
+
+    Attributes:
+        level: ``"none"``, ``"process"`` or ``"bwrap"``.
+        limits: Per limit (``memory_mb``...), its value and the mechanism enforcing it, e.g.
+            ``"256 (cgroup v1 memory.limit_in_bytes)"``; absent when the limit is not enforced.
+        boundaries: Per boundary (``environment``, ``user``, ``filesystem``, ``network``,
+            ``processes``, ``descendants``), the mechanism that draws it, or why there is none.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    level: Literal["none", "process", "bwrap"]
+    limits: dict[str, str] = Field(default_factory=dict)
+    boundaries: dict[str, str] = Field(default_factory=dict)
+
+
 def now_iso() -> str:
     """The current UTC time in ISO 8601 with milliseconds."""
     return dt.datetime.now(dt.timezone.utc).isoformat(timespec="milliseconds")
@@ -58,7 +110,8 @@ class ExecError(BaseModel):
             (the return value or agent state is over ``max_result_chars`` as JSON),
             ``env_setup_failed``
             (its virtual environment could not be built; ``evalue`` ends with the installer's
-            output). Only kernelexec's own checks set the kinds other than ``exception``;
+            output), ``limit_exceeded`` (the kernel was killed for a resource limit; ``evalue``
+            names the limit and its value). Only kernelexec's own checks set the kinds other than ``exception``;
             an exception's class name never does.
         ename: Exception class name (e.g. ``"ValueError"``).
         evalue: Exception message.

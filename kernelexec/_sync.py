@@ -74,6 +74,11 @@ class Session:
         return self._inner.workdir
 
     @property
+    def isolation(self) -> Any:
+        """What is in force for this session's kernel (a :class:`~kernelexec.Isolation`)."""
+        return self._inner.isolation
+
+    @property
     def notebook(self) -> Any:
         """The session's recording (an nbformat ``NotebookNode``), or None when not recording."""
         return self._inner.notebook

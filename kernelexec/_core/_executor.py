@@ -20,7 +20,7 @@ from kernelexec._core._tasks import TaskSupervisor
 from kernelexec._envs._builder import EnvBuilder, ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError
-from kernelexec._models import Execution, ToolResult
+from kernelexec._models import Execution, Isolation, ToolResult
 from kernelexec._notebooks._io import safe_filename
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._protocol._host import bootstrap_request
@@ -74,6 +74,7 @@ class AsyncKernelExecutor:
     ) -> None:
         self.config = make_config(**config)
         self.backend = _resolve_backend(backend, backend_options)
+        self._workdir: PurePath | None = None
         self._check_env(self.config.env)
         self.builder = EnvBuilder(self.config.cache_dir, self.config.installer, on_progress)
         self._state = Lifecycle("the executor")
@@ -83,13 +84,13 @@ class AsyncKernelExecutor:
         self._pool_locks: dict[str, asyncio.Lock] = {}
         self._tool_envs: dict[tuple[tuple[str, ...], str | None], VenvEnv] = {}
         self._fingerprints: dict[str, str] = {}
+        self._isolations: dict[str, Isolation] = {}
         self._supervisor = TaskSupervisor()
         self._budget = KernelBudget(
             self.config.max_kernels, self.config.idle_timeout, self._supervisor
         )
         self._bootstrap = bootstrap_request(self.config.max_output_chars)
         self._own_workdir = False
-        self._workdir: PurePath | None = None
 
     @property
     def env(self) -> Env:
@@ -110,10 +111,32 @@ class AsyncKernelExecutor:
             self._fingerprints[base] = cached
         return cached
 
+    def isolation_of(self, env: Env) -> Isolation:
+        """What kernels of ``env`` get: the level and the mechanism of each limit and boundary."""
+        fingerprint = self.fingerprint_of(env)
+        found = self._isolations.get(fingerprint)
+        if found is None:
+            launch = self._launch(env, interpreter=None)
+            found = Isolation(**self.backend.isolation(launch))
+            self._isolations[fingerprint] = found
+        return found
+
     def _launch(self, env: Env, interpreter: str | None) -> KernelLaunch:
         if isinstance(env, VenvEnv) and interpreter is None:
             interpreter = env.interpreter
-        return KernelLaunch(env=kernel_env(self.config), interpreter=interpreter)
+        cfg = self.config
+        workdir = None
+        if self.backend.host_filesystem:
+            where = self._workdir or cfg.workdir
+            workdir = str(where) if where is not None else None
+        return KernelLaunch(
+            env=kernel_env(cfg),
+            interpreter=interpreter,
+            isolation=cfg.isolation or self.backend.default_isolation,
+            limits=cfg.limits.given() if cfg.limits is not None else {},
+            network=cfg.network,
+            workdir=workdir,
+        )
 
     def _check_env(self, env: Env) -> None:
         """Refuse, before anything is built, an environment the backend cannot run."""
@@ -271,6 +294,7 @@ class AsyncKernelExecutor:
             max_output_chars=cfg.max_output_chars,
             max_result_chars=cfg.max_result_chars,
             recorder=recorder,
+            isolation=self.isolation_of(env),
         )
         self._sessions[(agent_id, fingerprint)] = session
         return session

@@ -77,7 +77,7 @@ class KernelLease:
             if self._pool is None:
                 self._pool = await self._get_pool()
             self._conn = await self._pool.acquire()
-            self._attached()
+            await self._attached()
         return self._conn, lost
 
     def take_settings(self) -> dict[str, Any] | None:
@@ -99,7 +99,7 @@ class KernelLease:
         if old is not None:
             assert self._pool is not None
             self._conn = await self._pool.replace(old)
-            self._attached()
+            await self._attached()
         return lost
 
     async def lose_state(self) -> None:
@@ -123,7 +123,9 @@ class KernelLease:
         if conn is not None and self._pool is not None:
             await self._pool.discard(conn)
 
-    def _attached(self) -> None:
+    async def _attached(self) -> None:
+        assert self._conn is not None
+        await self._conn.enter_workdir(self._workdir)
         self.generation += 1
         self._names = ()
         self._fresh = True

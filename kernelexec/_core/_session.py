@@ -20,7 +20,7 @@ from kernelexec._core._outputs import Callbacks, OutputCallback
 from kernelexec._core._run import RunOutcome, run_request
 from kernelexec._core._state import Lifecycle
 from kernelexec._exceptions import EnvSetupError
-from kernelexec._models import ExecError, Execution, RunRecord, ToolResult, now_iso
+from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import ExecuteRequest
@@ -62,8 +62,12 @@ class AsyncSession:
         recorder: SessionRecorder | None = None,
         observers: tuple[RunObserver, ...] = (),
         on_close: Callable[[AsyncSession], Awaitable[None]] | None = None,
+        isolation: Isolation | None = None,
     ) -> None:
         self.agent_id = agent_id
+        self.isolation = isolation or Isolation(level="none")
+        """What is in force for this session's kernel: ``.level``, and per limit and per
+        boundary the mechanism that enforces it (see :class:`kernelexec.Isolation`)."""
         self.workdir = workdir
         self.fingerprint = fingerprint
         self._lease = lease
@@ -340,7 +344,13 @@ class AsyncSession:
         collected = out.collected
 
         if out.death is not None or out.stuck or protocol.asked_exit(reply):
-            if out.death is not None:
+            if out.death is not None and out.death.limit:
+                why = (
+                    f"the kernel was killed for exceeding its limit {out.death.limit} "
+                    f"({out.death.reason}); a fresh kernel replaces it"
+                )
+                error = ExecError(kind="limit_exceeded", ename="LimitExceeded", evalue=why)
+            elif out.death is not None:
                 why = f"the kernel died ({out.death.reason})"
                 error = ExecError(kind="kernel_died", ename="KernelDied", evalue=why)
             elif out.stuck:

@@ -54,6 +54,9 @@ class KernelLaunch(BaseModel):
         isolation: The isolation level asked for (``"none"``: a plain process).
         limits: Resource limits asked for, by name (empty: none).
         network: Whether the kernel may use the network (None: the level's default).
+        workdir: The host directory under which sessions' working directories are made, for
+            backends that see the host filesystem (an isolating backend makes it, and no other
+            session data, reachable). Like ``env`` it is per executor, not in fingerprints.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid")
@@ -64,6 +67,7 @@ class KernelLaunch(BaseModel):
     isolation: str = "none"
     limits: dict[str, float] = Field(default_factory=dict)
     network: bool | None = None
+    workdir: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +93,13 @@ class KernelDied:
         reason: What happened, in words (``"killed by SIGKILL"``, ``"exit code 1"``,
             ``"the gateway reports the kernel dead"``).
         detail: More for a person to read (the tail of the kernel's stderr), or ``""``.
+        limit: The resource limit the kernel was killed for, with its value
+            (``"memory_mb=256"``), or ``""`` when it was not killed for a limit.
     """
 
     reason: str
     detail: str = ""
+    limit: str = ""
 
 
 class KernelConnection(abc.ABC):
@@ -145,6 +152,14 @@ class KernelConnection(abc.ABC):
         """Text that helps explain a failed start (the tail of the kernel's stderr), or ``""``."""
         return ""
 
+    async def enter_workdir(self, path: str) -> None:
+        """Make the session's working directory ``path`` usable by this kernel.
+
+        Called by the session's lease when it takes a fresh kernel, before its first request
+        (which creates ``path`` if missing and changes into it). The default does nothing; a
+        backend that runs each kernel as its own user hands the directory to that user.
+        """
+
 
 class KernelBackend(abc.ABC):
     """Starts kernels. One backend instance may serve many executors.
@@ -155,10 +170,12 @@ class KernelBackend(abc.ABC):
         host_filesystem: True when kernels see the host's filesystem, so session working
             directories are host paths that kernelexec creates and removes; False when they are
             paths on the kernel's side (made by the kernel when a session starts).
+        default_isolation: The isolation level of kernels when the executor names none.
     """
 
     name: ClassVar[str] = "custom"
     host_filesystem: ClassVar[bool] = False
+    default_isolation: ClassVar[str] = "none"
 
     @abc.abstractmethod
     async def start(self, launch: KernelLaunch, *, timeout: float) -> KernelConnection:
@@ -214,3 +231,11 @@ class KernelBackend(abc.ABC):
     def describe(self) -> str:
         """A short text identifying where this backend runs kernels (for logs and fingerprints)."""
         return type(self).__name__
+
+    def isolation(self, launch: KernelLaunch) -> dict[str, Any]:
+        """What kernels started from ``launch`` get, as the fields of
+        :class:`kernelexec.Isolation` (``level``, ``limits``, ``boundaries``).
+
+        The default describes a backend that enforces nothing (:meth:`check` refuses the rest).
+        """
+        return {"level": "none", "limits": {}, "boundaries": {}}

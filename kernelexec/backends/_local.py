@@ -3,6 +3,12 @@
 Each kernel gets a fresh private directory holding its connection file, its ipc sockets and its
 stderr log, so no TCP port is opened and nothing is re-read from a directory the kernel can
 write. Shutting the kernel down removes the directory.
+
+At ``isolation="process"`` and ``"bwrap"`` the kernel runs under kernelexec's launcher
+(``_sandbox._launcher``) in a cgroup of its own where the host allows, with its limits, as its
+own user on a root host, and under ``"bwrap"`` inside bubblewrap; the kernel's part of the
+directory (``k/``: connection file, sockets) then belongs to the kernel's user, while the
+stderr log and owner file stay the host's, out of the kernel's reach.
 """
 
 from __future__ import annotations
@@ -11,6 +17,7 @@ import asyncio
 import contextlib
 import hmac
 import json
+import logging
 import os
 import shutil
 import signal
@@ -25,7 +32,11 @@ import zmq.asyncio
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
-from kernelexec._exceptions import KernelStartError
+from kernelexec._exceptions import ConfigError, KernelStartError
+from kernelexec._sandbox import _cgroups, _users
+from kernelexec._sandbox._bwrap import bwrap_argv
+from kernelexec._sandbox._launcher import launcher_argv
+from kernelexec._sandbox._plan import SandboxPlan, make_plan
 from kernelexec._tempdirs import make_owned_dir
 from kernelexec.backends._base import (
     KernelBackend,
@@ -57,6 +68,8 @@ _LEAN_LAUNCHER = (
 )
 
 _CONTEXT: zmq.asyncio.Context | None = None
+log = logging.getLogger("kernelexec")
+_cgroups_swept = False
 
 
 def _context() -> zmq.asyncio.Context:
@@ -66,6 +79,17 @@ def _context() -> zmq.asyncio.Context:
         _CONTEXT = zmq.asyncio.Context()
         _CONTEXT.setsockopt(zmq.RECONNECT_IVL, 10)
     return _CONTEXT
+
+
+class _Manager(AsyncKernelManager):
+    """jupyter-client's manager, handing the connection file to the kernel's own user."""
+
+    kernel_uid: int | None = None
+
+    def write_connection_file(self, **kwargs: Any) -> None:
+        super().write_connection_file(**kwargs)
+        if self.kernel_uid is not None:
+            os.chown(self.connection_file, self.kernel_uid, self.kernel_uid)
 
 
 class _FixedSpecs(KernelSpecManager):
@@ -109,30 +133,66 @@ class LocalBackend(KernelBackend):
 
     name = "local"
     host_filesystem = True
+    default_isolation = "process"
 
     def __init__(self, python: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
         self.python = python or sys.executable
         self.extra_args = tuple(extra_args)
+        self._plans: dict[tuple[Any, ...], SandboxPlan] = {}
 
     def describe(self) -> str:
         return f"local:{self.python}"
 
+    def plan(self, launch: KernelLaunch) -> SandboxPlan:
+        """How kernels of ``launch`` are confined on this host (decided once per launch).
+
+        Raises:
+            ConfigError: the level, a limit or the network setting cannot be enforced here.
+        """
+        python = launch.interpreter or self.python
+        limits = tuple(sorted(launch.limits.items()))
+        key = (launch.isolation, limits, launch.network, python, launch.workdir)
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = make_plan(
+                launch.isolation, dict(launch.limits), launch.network, python, launch.workdir
+            )
+            self._plans[key] = plan
+        return plan
+
     def check(self, launch: KernelLaunch) -> None:
-        # Interpreters (venvs) are this backend's to run; everything else is the default's.
-        super().check(launch.model_copy(update={"interpreter": None}))
+        # Interpreters (venvs), isolation levels, limits and the network are this backend's.
+        if launch.kernel_name is not None:
+            raise ConfigError(f"the {self.name!r} backend does not support kernel_name")
+        self.plan(launch)
+
+    def isolation(self, launch: KernelLaunch) -> dict[str, Any]:
+        plan = self.plan(launch)
+        return {"level": plan.level, "limits": plan.limits_text, "boundaries": plan.boundaries}
 
     def fingerprint(self, launch: KernelLaunch, base: str) -> str:
-        # A plain local kernel is exactly its environment (whose fingerprint names the
-        # interpreter), so results keep the environment's fingerprint.
-        default = KernelLaunch(env=launch.env, interpreter=launch.interpreter)
+        # A local kernel at the default level is exactly its environment (whose fingerprint
+        # names the interpreter), so results keep the environment's fingerprint; another level,
+        # explicit limits or a network setting give another one.
+        default = KernelLaunch(
+            env=launch.env,
+            interpreter=launch.interpreter,
+            workdir=launch.workdir,
+            isolation=self.default_isolation,
+        )
         if launch == default and self.python == sys.executable:
             return base
         return super().fingerprint(launch, base)
 
     async def start(self, launch: KernelLaunch, *, timeout: float) -> KernelConnection:
+        global _cgroups_swept
         self.check(launch)
         python = launch.interpreter or self.python
-        conn = LocalConnection(python, self.extra_args, launch.env)
+        plan = self.plan(launch)
+        if plan.use_cgroup and not _cgroups_swept:
+            _cgroups_swept = True
+            _cgroups.sweep_stale()  # groups that killed hosts left (their processes are gone)
+        conn = LocalConnection(python, self.extra_args, launch.env, plan, launch.workdir)
         try:
             await asyncio.wait_for(conn.launch(), timeout)
         except asyncio.TimeoutError:
@@ -148,11 +208,24 @@ class LocalBackend(KernelBackend):
 class LocalConnection(KernelConnection):
     """A kernel process on this machine with its zmq channels (ipc sockets in a private dir)."""
 
-    def __init__(self, python: str, extra_args: tuple[str, ...], env: dict[str, str]) -> None:
+    def __init__(
+        self,
+        python: str,
+        extra_args: tuple[str, ...],
+        env: dict[str, str],
+        plan: SandboxPlan | None = None,
+        workdir: str | None = None,
+    ) -> None:
         self._python = python
         self._extra_args = extra_args
         self._env = dict(env)
+        self._plan = plan if plan is not None and plan.level != "none" else None
+        self._workdir = workdir
         self._dir = ""
+        self._uid: int | None = None
+        self._cgroup: _cgroups.KernelCgroup | None = None
+        self.dropped = 0
+        """Messages dropped for a bad signature, a replay or garbage (since the start)."""
         self._km: AsyncKernelManager | None = None
         self._kc: Any = None
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
@@ -167,41 +240,83 @@ class LocalConnection(KernelConnection):
         """Start the process in a fresh private directory and connect its channels."""
         # Short paths: ipc socket names must fit in sun_path (108 bytes).
         self._dir = make_owned_dir("kx-")
+        plan = self._plan
+        kdir = self._dir
+        env = dict(self._env)
+        if plan is not None:
+            kdir = os.path.join(self._dir, "k")
+            os.mkdir(kdir, 0o700)
+            if plan.own_user:
+                self._uid = _users.uid_for(kdir)
+                _users.hand_over(kdir, self._uid)
+                os.chmod(self._dir, 0o711)  # the kernel's user passes through to k/ only
+                if self._workdir and os.path.isdir(self._workdir):
+                    mode = os.stat(self._workdir).st_mode & 0o777
+                    os.chmod(self._workdir, mode | 0o011)  # search, not list
+            env["HOME"] = kdir
+            env.update(plan.extra_env)
+            if plan.use_cgroup:
+                try:
+                    self._cgroup = _cgroups.KernelCgroup.create(plan.cgroup_limits)
+                except OSError as exc:
+                    raise KernelStartError(f"could not set up the kernel's cgroup: {exc}") from exc
+        env["IPYTHONDIR"] = os.path.join(kdir, "ipython")
+        env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+        argv = [
+            self._python,
+            "-c",
+            _LEAN_LAUNCHER,
+            "-f",
+            "{connection_file}",
+            *_KERNEL_FLAGS,
+            *self._extra_args,
+        ]
+        bwrap = plan is not None and plan.level == "bwrap"
+        if plan is not None:
+            if bwrap:
+                writable = [kdir, *([self._workdir] if self._workdir else [])]
+                argv = [
+                    *bwrap_argv(
+                        readonly=list(plan.readonly),
+                        writable=writable,
+                        env=env,
+                        chdir=kdir,
+                        network=plan.network,
+                        uid=self._uid,
+                    ),
+                    *argv,
+                ]
+            argv = launcher_argv(
+                argv,
+                procs=self._cgroup.procs_files if self._cgroup else [],
+                rlimits=plan.rlimits,
+                uid=None if bwrap else self._uid,
+                host_pid=os.getpid(),
+            )
         spec = KernelSpec(
-            argv=[
-                self._python,
-                "-c",
-                _LEAN_LAUNCHER,
-                "-f",
-                "{connection_file}",
-                *_KERNEL_FLAGS,
-                *self._extra_args,
-            ],
+            argv=argv,
             display_name="kernelexec",
             language="python",
-            interrupt_mode="signal",
+            # Under bwrap a SIGINT to the process group would hit bwrap, which dies of it.
+            interrupt_mode="message" if bwrap else "signal",
             metadata={},
             env={},
         )
-        km = AsyncKernelManager(
+        km = _Manager(
             kernel_spec_manager=_FixedSpecs(spec),
             kernel_name="kernelexec",
             transport="ipc",
-            ip=os.path.join(self._dir, "s"),
-            connection_file=os.path.join(self._dir, "kernel.json"),
+            ip=os.path.join(kdir, "s"),
+            connection_file=os.path.join(kdir, "kernel.json"),
         )
+        km.kernel_uid = self._uid
         self._km = km
         # Kernel stdout gets fd-level output that ipykernel also forwards as messages; it must
         # never be a pipe nobody drains. stderr is kept (bounded by the kernel's lifetime) so a
         # failed start can be explained.
         self._stderr = open(os.path.join(self._dir, "stderr.log"), "wb")  # noqa: SIM115, ASYNC230
-        env = dict(self._env)
-        env["IPYTHONDIR"] = os.path.join(self._dir, "ipython")
-        env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
         try:
-            await km.start_kernel(
-                env=env, cwd=self._dir, stdout=subprocess.DEVNULL, stderr=self._stderr
-            )
+            await km.start_kernel(env=env, cwd=kdir, stdout=subprocess.DEVNULL, stderr=self._stderr)
         except Exception as exc:
             raise KernelStartError(f"could not launch {self._python}: {exc}") from exc
         kc = km.client(context=_context())
@@ -294,7 +409,10 @@ class LocalConnection(KernelConnection):
         code = proc.poll()
         if code is None:
             return None
-        self._died = KernelDied(describe_exit(code), self.diagnostics())
+        limit = ""
+        if self._cgroup is not None and self._plan is not None and self._cgroup.oom_kills():
+            limit = self._plan.limit_of("memory_mb")
+        self._died = KernelDied(describe_exit(code), self.diagnostics(), limit)
         return self._died
 
     def _decode(self, channel: str, frames: list[bytes]) -> KernelMessage | None:
@@ -305,9 +423,9 @@ class LocalConnection(KernelConnection):
             _, parts = session.feed_identities(frames, copy=True)
             signature = parts[0]
             if not signature or signature in self._seen:
-                return None
+                return self._drop("an unsigned or replayed message")
             if not hmac.compare_digest(signature, session.sign(parts[1:5])):
-                return None
+                return self._drop("a message with a bad signature")
             self._seen[signature] = None
             if len(self._seen) > 4096:
                 del self._seen[next(iter(self._seen))]
@@ -323,7 +441,19 @@ class LocalConnection(KernelConnection):
             )
         except Exception:
             # Garbage from the kernel (it holds the key and may send anything): drop it.
-            return None
+            return self._drop("a message that does not decode")
+
+    def _drop(self, what: str) -> None:
+        self.dropped += 1
+        if self.dropped == 1 or self.dropped % 1000 == 0:
+            log.warning("dropped %s from a kernel (%d dropped so far)", what, self.dropped)
+        return None
+
+    async def enter_workdir(self, path: str) -> None:
+        if self._uid is None:
+            return
+        os.makedirs(path, exist_ok=True)
+        await asyncio.to_thread(_users.hand_over, path, self._uid)
 
     async def interrupt(self) -> None:
         km = self._km
@@ -347,6 +477,10 @@ class LocalConnection(KernelConnection):
         self._pending.clear()
         self._died = KernelDied("the kernel is shut down")
         if km is not None:
+            await self._stop_launcher(km)
+            if self._cgroup is not None:
+                cgroup, self._cgroup = self._cgroup, None
+                await asyncio.to_thread(cgroup.remove)
             if km.has_kernel:
                 try:
                     await km.shutdown_kernel(now=True)
@@ -360,6 +494,21 @@ class LocalConnection(KernelConnection):
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = ""
+
+
+    async def _stop_launcher(self, km: AsyncKernelManager) -> None:
+        """Have the launcher kill the kernel and every descendant, and wait until it has."""
+        proc = getattr(km.provisioner, "process", None)
+        if self._plan is None or proc is None or proc.poll() is not None:
+            return
+        with contextlib.suppress(OSError):
+            proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 5.0
+        while proc.poll() is None and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+        if proc.poll() is None:
+            with contextlib.suppress(OSError):
+                proc.kill()
 
 
 async def _kill_process_group(km: AsyncKernelManager) -> None:

@@ -1,0 +1,125 @@
+"""The launcher that sits between the host and a kernel: it puts the kernel in its cgroups,
+sets its rlimits, drops it to its own user, and reaps every descendant when the kernel ends,
+the host asks it to stop, or the host dies.
+
+It is standard-library Python run as text (``python -c``) by the host's interpreter, so it
+works for any kernel interpreter. It makes itself a child subreaper, so processes the kernel
+orphans (double forks, ``setsid`` daemons) become its children and cannot escape, and asks for
+SIGTERM when the host's thread that started it goes (``PR_SET_PDEATHSIG``). Whatever ends
+the kernel, the launcher kills the remaining descendants and exits with the kernel's status
+(re-raising the signal that killed it), so the host sees the kernel's own exit.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+# jupyter-client substitutes "{name}" in every argument: this text must contain none.
+SOURCE = r"""
+import ctypes, json, os, resource, signal, sys, time
+cfg = json.loads(sys.argv[1])
+argv = sys.argv[2:]
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(1, signal.SIGTERM, 0, 0, 0)
+if os.getppid() != cfg["host"]:
+    sys.exit(1)
+libc.prctl(36, 1, 0, 0, 0)
+stopping = []
+kernel = [0]
+
+def on_term(signum, frame):
+    stopping.append(signum)
+    if kernel[0]:
+        try:
+            os.kill(kernel[0], signal.SIGKILL)
+        except OSError:
+            pass
+
+signal.signal(signal.SIGTERM, on_term)
+signal.signal(signal.SIGINT, lambda signum, frame: None)
+
+def children():
+    found = set()
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        tasks = []
+    for tid in tasks:
+        try:
+            with open("/proc/self/task/" + tid + "/children") as fh:
+                found.update(int(p) for p in fh.read().split())
+        except OSError:
+            pass
+    return found
+
+def reap_all():
+    while True:
+        for pid in children():
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        try:
+            pid, _ = os.waitpid(-1, 0)
+        except ChildProcessError:
+            return
+        except InterruptedError:
+            continue
+
+def setup():
+    for path in cfg["procs"]:
+        with open(path, "w") as fh:
+            fh.write(str(os.getpid()))
+    for res, value in cfg["rlimits"]:
+        resource.setrlimit(res, (value, value))
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    os.umask(0o077)
+    uid = cfg["uid"]
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+
+pid = os.fork()
+if pid == 0:
+    try:
+        setup()
+        os.execvp(argv[0], argv)
+    except BaseException as exc:
+        os.write(2, ("kernelexec launcher: " + repr(exc) + "\n").encode())
+    os._exit(127)
+kernel[0] = pid
+if stopping:
+    on_term(signal.SIGTERM, None)
+status = None
+while status is None:
+    try:
+        done, st = os.waitpid(-1, 0)
+    except ChildProcessError:
+        break
+    except InterruptedError:
+        continue
+    if done == pid:
+        status = st
+reap_all()
+if status is not None and os.WIFSIGNALED(status):
+    sig = os.WTERMSIG(status)
+    signal.signal(sig, signal.SIG_DFL)
+    os.kill(os.getpid(), sig)
+sys.exit(os.WEXITSTATUS(status) if status is not None else 1)
+"""
+
+
+def launcher_argv(
+    kernel_argv: list[str],
+    *,
+    procs: list[str],
+    rlimits: list[tuple[int, int]],
+    uid: int | None,
+    host_pid: int,
+) -> list[str]:
+    """The command line that runs ``kernel_argv`` under the launcher."""
+    cfg = {"procs": procs, "rlimits": rlimits, "uid": uid, "host": host_pid}
+    return [sys.executable, "-I", "-S", "-c", SOURCE, json.dumps(cfg, separators=(",", ":")), *kernel_argv]

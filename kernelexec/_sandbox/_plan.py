@@ -1,0 +1,255 @@
+"""What a kernel gets at an isolation level on this host: which mechanism enforces each limit
+and draws each boundary, decided once per launch, with a ConfigError for what cannot be done.
+
+Limits asked for explicitly are enforced or refused; kernelexec's defaults (:data:`DEFAULTS`)
+use the best mechanism the host has and are reported as not enforced where it has none.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import psutil
+
+from kernelexec._exceptions import ConfigError
+from kernelexec._sandbox import _bwrap, _cgroups, _users
+
+LEVELS = ("none", "process", "bwrap")
+
+
+def default_limits() -> dict[str, float]:
+    """kernelexec's limits when none are given, and why each is what it is.
+
+    * ``memory_mb``: half the host's memory, so one runaway kernel leaves the host (and the
+      other kernels) the other half instead of summoning the host's OOM killer.
+    * ``max_processes``: 512 processes and threads, so a fork storm stops long before the
+      host's process table (ipykernel itself needs about 12 threads).
+    * ``max_open_files``: 4096, a common hard limit; below 128 ipykernel cannot start.
+
+    No CPU limit (the scheduler shares cores between spinning kernels; ask for ``cpus`` to
+    cap one) and no file size limit (it bounds one file, not the disk; give ``max_file_mb``).
+    """
+    half = psutil.virtual_memory().total // (2 * 1024 * 1024)
+    return {"memory_mb": float(half), "max_processes": 512.0, "max_open_files": 4096.0}
+
+
+AS_FLOOR_MB = 384
+"""Least address space ipykernel starts in with ``MALLOC_ARENA_MAX=2`` (measured: 384 MB 5/5;
+below that start-up fails or the first allocation does)."""
+
+
+@dataclass(frozen=True)
+class SandboxPlan:
+    """How kernels of one launch are confined (see the module docstring)."""
+
+    level: str
+    network: bool
+    cgroup_limits: dict[str, float] = field(default_factory=dict)
+    rlimits: list[tuple[int, int]] = field(default_factory=list)
+    extra_env: dict[str, str] = field(default_factory=dict)
+    own_user: bool = False
+    use_cgroup: bool = False
+    readonly: tuple[str, ...] = ()
+    limits_text: dict[str, str] = field(default_factory=dict)
+    boundaries: dict[str, str] = field(default_factory=dict)
+    given: dict[str, float] = field(default_factory=dict)
+
+    def limit_of(self, name: str) -> str:
+        """``"memory_mb=256"``: a limit with its value, for errors."""
+        value = self.cgroup_limits.get(name)
+        return f"{name}={value:g}" if value is not None else name
+
+
+@lru_cache(maxsize=32)
+def interpreter_paths(python: str) -> tuple[str, ...]:
+    """The directories an interpreter needs to run: its prefix, base prefix and the directory
+    of the executable it resolves to (asked of the interpreter once)."""
+    paths = {os.path.dirname(os.path.realpath(python))}
+    try:
+        out = subprocess.run(
+            [python, "-I", "-c", "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix]))"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
+        paths.update(os.path.realpath(p) for p in json.loads(out))
+    except (OSError, subprocess.SubprocessError, ValueError):
+        pass  # not a Python (a test's fake interpreter): its own directory is all we know
+    return tuple(sorted(paths))
+
+
+def make_plan(
+    level: str,
+    given: dict[str, float],
+    network: bool | None,
+    python: str,
+    workdir: str | None,
+) -> SandboxPlan:
+    """Decide the mechanisms for kernels run by ``python`` at ``level`` with ``given`` limits.
+
+    Raises:
+        ConfigError: the level, a limit or the network setting cannot be enforced here (the
+            message names it and what is missing).
+    """
+    if level not in LEVELS:
+        raise ConfigError(f"isolation must be one of {', '.join(LEVELS)}; got {level!r}")
+    if level == "none":
+        if given:
+            raise ConfigError("limits need isolation 'process' or 'bwrap', not 'none'")
+        if network is False:
+            raise ConfigError("network=False needs isolation='bwrap' (a network namespace)")
+        return SandboxPlan(level="none", network=True, boundaries=_none_boundaries())
+    if network is False and level != "bwrap":
+        raise ConfigError(
+            f"network=False needs isolation='bwrap' (a network namespace); "
+            f"isolation={level!r} cannot take the network away"
+        )
+    if level == "bwrap" and _bwrap.bwrap_path() is None:
+        raise ConfigError(
+            f"isolation='bwrap' needs bubblewrap, which is not installed "
+            f"(Debian/Ubuntu: {_bwrap.INSTALL_HINT})"
+        )
+    root = _users.is_root()
+    if level == "bwrap" and root and _bwrap.setpriv_path() is None:
+        raise ConfigError(
+            "isolation='bwrap' as root needs setpriv (util-linux) to run kernels as their own "
+            "user; it is not installed"
+        )
+    paths = interpreter_paths(python)
+    own_user, user_text = _user_plan(level, root, paths, workdir)
+    sup = _cgroups.support()
+    limits = {**default_limits(), **given}
+    cg: dict[str, float] = {}
+    rl: list[tuple[int, int]] = []
+    env: dict[str, str] = {}
+    text: dict[str, str] = {}
+    for name, value in sorted(limits.items()):
+        explicit = name in given
+        mech = sup.mechanism(name)
+        shown = f"{value:g}"
+        if mech is not None:
+            cg[name] = value
+            text[name] = f"{shown} ({mech})"
+        elif name == "memory_mb":
+            if value < AS_FLOOR_MB:
+                if explicit:
+                    raise ConfigError(
+                        f"memory_mb={shown}: this host has no usable cgroup memory controller, "
+                        f"and under the fallback (RLIMIT_AS) ipykernel needs at least "
+                        f"{AS_FLOOR_MB} MB"
+                    )
+                continue
+            rl.append((resource.RLIMIT_AS, int(value) * 1024 * 1024))
+            env["MALLOC_ARENA_MAX"] = "2"  # glibc's per-thread arenas are 64 MB of address space
+            text[name] = f"{shown} (RLIMIT_AS per process: address space, not resident memory)"
+        elif name == "max_processes" and own_user:
+            rl.append((resource.RLIMIT_NPROC, int(value)))
+            text[name] = f"{shown} (RLIMIT_NPROC of the kernel's own user)"
+        elif name in ("max_open_files", "max_file_mb"):
+            res = resource.RLIMIT_NOFILE if name == "max_open_files" else resource.RLIMIT_FSIZE
+            amount = int(value) * (1024 * 1024 if name == "max_file_mb" else 1)
+            hard = resource.getrlimit(res)[1]
+            if not root and hard != resource.RLIM_INFINITY and amount > hard:
+                if explicit:
+                    raise ConfigError(
+                        f"{name}={shown} exceeds this user's hard limit ({hard}); "
+                        "only root can raise it"
+                    )
+                amount = hard
+                shown = f"{hard}"
+            rl.append((res, amount))
+            mechanism = "RLIMIT_NOFILE" if name == "max_open_files" else "RLIMIT_FSIZE"
+            text[name] = f"{shown} ({mechanism} per process)"
+        elif explicit:
+            raise ConfigError(
+                f"{name}={shown} cannot be enforced here: it needs a writable cgroup "
+                f"{_cgroups.CONTROLLERS[name]} controller (cgroup v2, or v1 as root), which "
+                f"this host does not offer"
+                + (", or kernels running as their own users (a root host)" if name == "max_processes" else "")
+            )
+    kill = sup.kill
+    bounds = {
+        "environment": "only the allowlisted variables and env_vars; HOME is the kernel's own "
+        "directory",
+        "user": user_text,
+    }
+    if level == "process":
+        bounds["filesystem"] = (
+            "the host's, as the kernel's user sees it; its own directory and working directory"
+        )
+        bounds["network"] = "the host's (no network namespace at this level)"
+        bounds["processes"] = "the host's /proc" + (
+            "; other users' /proc/<pid>/environ unreadable" if own_user else ""
+        )
+        reap = "subreaper launcher (restart, shutdown; host death via PR_SET_PDEATHSIG)"
+    else:
+        net = network is True
+        bounds["filesystem"] = (
+            "bwrap: read-only system directories and interpreter, the session directories and a "
+            f"private {_bwrap.TMP_MB} MB /tmp writable, nothing else of the host"
+        )
+        bounds["network"] = (
+            "the host's (network=True)" if net else "bwrap: own network namespace, loopback only"
+        )
+        bounds["processes"] = "bwrap: own PID, IPC and UTS namespaces"
+        reap = "PID namespace + --die-with-parent + subreaper launcher (host death: PDEATHSIG)"
+    bounds["descendants"] = f"{kill} + {reap}" if kill else reap
+    return SandboxPlan(
+        level=level,
+        network=level != "bwrap" or network is True,
+        cgroup_limits=cg,
+        rlimits=rl,
+        extra_env=env,
+        own_user=own_user,
+        use_cgroup=bool(cg) or kill is not None,
+        readonly=paths,
+        limits_text=text,
+        boundaries=bounds,
+        given=dict(given),
+    )
+
+
+def _user_plan(
+    level: str, root: bool, paths: tuple[str, ...], workdir: str | None
+) -> tuple[bool, str]:
+    own = "its own unprivileged user (uid 2000000000 + n, one per kernel)"
+    if not root:
+        if level == "bwrap":
+            return False, (
+                "the host's user: kernels of one host user are separated by bwrap's namespaces, "
+                "not by users"
+            )
+        return False, (
+            "the host's user (not root): kernels of one user can reach each other's files and "
+            "processes at this level; only 'bwrap' separates them"
+        )
+    if level == "bwrap":
+        return True, own + " through setpriv"
+    needed = [*paths, tempfile.gettempdir(), *([workdir] if workdir else [])]
+    for path in needed:
+        where = _users.blocked(path)
+        if where is not None:
+            return False, (
+                f"the host's user (root): {path} is not reachable by other users, {where} "
+                "blocks it; put the interpreter and working directories where other users can "
+                "search, or use isolation='bwrap'"
+            )
+    return True, own
+
+
+def _none_boundaries() -> dict[str, str]:
+    return {
+        "environment": "only the allowlisted variables and env_vars",
+        "user": "the host's user",
+        "filesystem": "the host's",
+        "network": "the host's",
+        "processes": "the host's /proc",
+        "descendants": "the kernel's process group only (setsid children survive)",
+    }

@@ -1,0 +1,59 @@
+"""Per-kernel unprivileged users on a root host: picking a uid, checking that a user other than
+the host's can reach a path, and handing a directory over to a kernel's user.
+
+No account is created: the uid exists only as the owner of the kernel's processes and files.
+A kernel's uid is derived from the inode of its private directory, which no other live kernel
+directory shares, so two live kernels never get the same uid (also across host processes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+from pathlib import Path
+
+UID_BASE = 2_000_000_000
+"""Kernel uids are ``UID_BASE + n``: far above system, login and subordinate-id ranges."""
+_UID_SPAN = 100_000_000
+
+
+def is_root() -> bool:
+    """Whether the host runs as root (kernels can then run as users of their own)."""
+    return hasattr(os, "geteuid") and os.geteuid() == 0
+
+
+def uid_for(directory: str) -> int:
+    """The uid of the kernel whose private directory is ``directory``."""
+    return UID_BASE + os.stat(directory).st_ino % _UID_SPAN
+
+
+def blocked(path: str) -> str | None:
+    """The first directory on the way to ``path`` that users other than its owner cannot
+    search (``"/root (mode 0700)"``), or None when any user can reach ``path``."""
+    current = Path("/")
+    parts = Path(os.path.realpath(path)).parts[1:]
+    for part in ("", *parts):
+        if part:
+            current = current / part
+        try:
+            st = current.stat()
+        except OSError:
+            return None  # not there yet: whoever creates it decides
+        if stat.S_ISDIR(st.st_mode) and not st.st_mode & stat.S_IXOTH:
+            return f"{current} (mode {stat.S_IMODE(st.st_mode):04o})"
+    return None
+
+
+def hand_over(path: str, uid: int) -> None:
+    """Give ``path`` and everything under it to ``uid`` (group too), the top mode 0700.
+
+    Symlinks are changed themselves, never followed: the tree may hold what an earlier kernel
+    planted.
+    """
+    os.chown(path, uid, uid, follow_symlinks=False)
+    os.chmod(path, 0o700)
+    for root, dirs, files in os.walk(path):
+        for name in dirs + files:
+            with contextlib.suppress(FileNotFoundError):
+                os.chown(os.path.join(root, name), uid, uid, follow_symlinks=False)
