@@ -17,6 +17,9 @@ from pathlib import Path
 import psutil
 
 PREFIXES = ("kx-", "kernelexec-")
+KERNEL_UID_BASE = 2_000_000_000
+"""Kernels that run as users of their own (a root host) get uids from here up; their
+directories are swept like the host's own."""
 OWNER_FILE = ".owner"
 _swept = False
 
@@ -61,7 +64,8 @@ def sweep_stale(root: str | None = None) -> list[str]:
         with contextlib.suppress(OSError, ValueError, IndexError):
             if not entry.is_dir(follow_symlinks=False):
                 continue
-            if uid is not None and entry.stat(follow_symlinks=False).st_uid != uid:
+            owner = entry.stat(follow_symlinks=False).st_uid
+            if uid is not None and owner != uid and not (uid == 0 and owner >= KERNEL_UID_BASE):
                 continue
             parts = Path(entry.path, OWNER_FILE).read_text().split()
             pid, start = int(parts[0]), (parts[1] if len(parts) > 1 else "")

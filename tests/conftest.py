@@ -32,11 +32,19 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def kernel_children() -> set[int]:
-    """Pids of ipykernel processes whose parent is this test process."""
+    """Pids of the kernels this test process started: ipykernel processes whose parent is this
+    process, or kernelexec's launcher (isolation "process"/"bwrap") whose child the kernel is;
+    a launcher without its kernel counts itself."""
     found = set()
     for child in psutil.Process().children():
         try:
-            if "ipykernel" in " ".join(child.cmdline()):
+            cmdline = child.cmdline()
+            if "ipykernel" not in " ".join(cmdline):
+                continue
+            if any(arg.startswith("# kernelexec launcher") for arg in cmdline):
+                kernels = {k.pid for k in child.children()}
+                found |= kernels or {child.pid}
+            else:
                 found.add(child.pid)
         except psutil.Error:
             continue

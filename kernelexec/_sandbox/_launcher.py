@@ -5,7 +5,8 @@ the host asks it to stop, or the host dies.
 It is standard-library Python run as text (``python -c``) by the host's interpreter, so it
 works for any kernel interpreter. It makes itself a child subreaper, so processes the kernel
 orphans (double forks, ``setsid`` daemons) become its children and cannot escape, and asks for
-SIGTERM when the host's thread that started it goes (``PR_SET_PDEATHSIG``). Whatever ends
+SIGTERM when the host's thread that started it goes (``PR_SET_PDEATHSIG``); the kernel gets
+SIGKILL when the launcher goes, so killing the launcher cannot leave the kernel running. Whatever ends
 the kernel, the launcher kills the remaining descendants and exits with the kernel's status
 (re-raising the signal that killed it), so the host sees the kernel's own exit.
 """
@@ -16,7 +17,7 @@ import json
 import sys
 
 # jupyter-client substitutes "{name}" in every argument: this text must contain none.
-SOURCE = r"""
+SOURCE = r"""# kernelexec launcher
 import ctypes, json, os, resource, signal, sys, time
 cfg = json.loads(sys.argv[1])
 argv = sys.argv[2:]
@@ -81,7 +82,11 @@ def setup():
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
+    libc.prctl(1, signal.SIGKILL, 0, 0, 0)
+    if os.getppid() != launcher:
+        os._exit(1)
 
+launcher = os.getpid()
 pid = os.fork()
 if pid == 0:
     try:
@@ -106,7 +111,10 @@ while status is None:
 reap_all()
 if status is not None and os.WIFSIGNALED(status):
     sig = os.WTERMSIG(status)
-    signal.signal(sig, signal.SIG_DFL)
+    try:
+        signal.signal(sig, signal.SIG_DFL)
+    except (OSError, ValueError):
+        pass
     os.kill(os.getpid(), sig)
 sys.exit(os.WEXITSTATUS(status) if status is not None else 1)
 """

@@ -232,7 +232,8 @@ def _user_plan(
         )
     if level == "bwrap":
         return True, own + " through setpriv"
-    needed = [*paths, tempfile.gettempdir(), *([workdir] if workdir else [])]
+    # The workdir itself is made searchable (not listable) by the backend: check its parent.
+    needed = [*paths, tempfile.gettempdir(), *([os.path.dirname(workdir)] if workdir else [])]
     for path in needed:
         where = _users.blocked(path)
         if where is not None:

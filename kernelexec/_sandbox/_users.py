@@ -13,8 +13,9 @@ import os
 import stat
 from pathlib import Path
 
-UID_BASE = 2_000_000_000
-"""Kernel uids are ``UID_BASE + n``: far above system, login and subordinate-id ranges."""
+from kernelexec._tempdirs import KERNEL_UID_BASE as UID_BASE
+
+# Kernel uids are UID_BASE + n: far above system, login and subordinate-id ranges.
 _UID_SPAN = 100_000_000
 
 

@@ -1,14 +1,13 @@
 """The local backend: an ipykernel process on this machine, driven by jupyter-client.
 
-Each kernel gets a fresh private directory holding its connection file, its ipc sockets and its
-stderr log, so no TCP port is opened and nothing is re-read from a directory the kernel can
-write. Shutting the kernel down removes the directory.
+Each kernel gets a fresh private directory holding its connection file and its ipc sockets, so
+no TCP port is opened; its stderr goes to an unlinked temporary file that the host reads through
+its own descriptor, so nothing is re-read by path from a directory the kernel can write.
+Shutting the kernel down removes the directory.
 
 At ``isolation="process"`` and ``"bwrap"`` the kernel runs under kernelexec's launcher
 (``_sandbox._launcher``) in a cgroup of its own where the host allows, with its limits, as its
-own user on a root host, and under ``"bwrap"`` inside bubblewrap; the kernel's part of the
-directory (``k/``: connection file, sockets) then belongs to the kernel's user, while the
-stderr log and owner file stay the host's, out of the kernel's reach.
+own user on a root host (who then owns the directory), and under ``"bwrap"`` inside bubblewrap.
 """
 
 from __future__ import annotations
@@ -23,6 +22,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import deque
 from typing import IO, Any, Literal
@@ -244,12 +244,9 @@ class LocalConnection(KernelConnection):
         kdir = self._dir
         env = dict(self._env)
         if plan is not None:
-            kdir = os.path.join(self._dir, "k")
-            os.mkdir(kdir, 0o700)
             if plan.own_user:
                 self._uid = _users.uid_for(kdir)
                 _users.hand_over(kdir, self._uid)
-                os.chmod(self._dir, 0o711)  # the kernel's user passes through to k/ only
                 if self._workdir and os.path.isdir(self._workdir):
                     mode = os.stat(self._workdir).st_mode & 0o777
                     os.chmod(self._workdir, mode | 0o011)  # search, not list
@@ -314,7 +311,7 @@ class LocalConnection(KernelConnection):
         # Kernel stdout gets fd-level output that ipykernel also forwards as messages; it must
         # never be a pipe nobody drains. stderr is kept (bounded by the kernel's lifetime) so a
         # failed start can be explained.
-        self._stderr = open(os.path.join(self._dir, "stderr.log"), "wb")  # noqa: SIM115, ASYNC230
+        self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
         try:
             await km.start_kernel(env=env, cwd=kdir, stdout=subprocess.DEVNULL, stderr=self._stderr)
         except Exception as exc:
@@ -341,15 +338,14 @@ class LocalConnection(KernelConnection):
         self._died = None
 
     def diagnostics(self, limit: int = 2000) -> str:
-        if not self._dir:
+        handle = self._stderr
+        if handle is None:
             return ""
-        path = os.path.join(self._dir, "stderr.log")
         try:
-            with open(path, "rb") as fh:
-                fh.seek(0, os.SEEK_END)
-                fh.seek(max(0, fh.tell() - limit))
-                text = fh.read().decode(errors="replace").strip()
-        except OSError:
+            size = os.fstat(handle.fileno()).st_size
+            start = max(0, size - limit)
+            text = os.pread(handle.fileno(), size - start, start).decode(errors="replace").strip()
+        except (OSError, ValueError):
             return ""
         return f"\nkernel stderr:\n{text}" if text else ""
 

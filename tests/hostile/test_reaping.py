@@ -1,0 +1,129 @@
+"""Hostile: a kernel leaves processes behind (double forks, ``setsid`` daemons) or kills its own
+parent; after a restart, a shutdown or the host's death, none of them is alive."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+
+import psutil
+import pytest
+
+import kernelexec as kx
+from kernelexec._sandbox import _cgroups
+from kernelexec._tempdirs import sweep_stale
+from tests.hostile.conftest import gone, needs_bwrap
+
+SPAWN = (
+    "import os, subprocess, time\n"
+    "daemon = subprocess.Popen(['sleep', '607'], start_new_session=True).pid\n"
+    "r, w = os.pipe()\n"
+    "if os.fork() == 0:\n"
+    "    os.setsid()\n"
+    "    if os.fork() == 0:\n"
+    "        os.write(w, str(os.getpid()).encode())\n"
+    "        os.execvp('sleep', ['sleep', '608'])\n"
+    "    os._exit(0)\n"
+    "double = int(os.read(r, 20))\n"
+    "(os.getpid(), daemon, double)"
+)
+
+
+def _pgrep(pattern: str) -> list[int]:
+    out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
+    return [int(p) for p in out.split()]
+
+
+def _spawn(session: kx.Session) -> list[int]:
+    result = session.run_code(SPAWN)
+    assert result.ok, result.error
+    return list(eval(result.result or "()"))
+
+
+@pytest.mark.parametrize("level", ["process", pytest.param("bwrap", marks=needs_bwrap)])
+def test_descendants_are_gone_after_restart_and_shutdown(level: str) -> None:
+    with kx.KernelExecutor(isolation=level) as ex:
+        s = ex.session("reap")
+        first = _spawn(s)
+        if level == "bwrap":  # pids of another namespace: find them by what they run
+            first = []
+        s.restart()
+        assert gone(first) == []
+        second = _spawn(s)
+        if level == "bwrap":
+            second = []
+        left = _pgrep("^sleep 60[78]$")
+        assert len(left) == 2  # the second pair, alive until shutdown
+    assert gone(second + left) == []
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["process", pytest.param("bwrap", marks=needs_bwrap)])
+def test_descendants_die_with_a_sigkilled_host(level: str) -> None:
+    host = textwrap.dedent(
+        f"""
+        import sys, kernelexec as kx
+        ex = kx.KernelExecutor(isolation={level!r})
+        out = ex.session('h').run_code(
+            "import subprocess; subprocess.Popen(['sleep', '601'], start_new_session=True).pid"
+        )
+        print(out.result, flush=True)
+        sys.stdin.read()
+        """
+    )
+    tmp = tempfile.gettempdir()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", host],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": tmp},
+    )
+    assert proc.stdout is not None
+    assert proc.stdout.readline().strip().isdigit()
+    launchers = [c.pid for c in psutil.Process(proc.pid).children()]
+    daemons = _pgrep("^sleep 601$")
+    assert len(launchers) == 1 and len(daemons) == 1
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert gone(launchers + daemons) == []
+    # What the dead host could not remove is swept by the next one.
+    removed = sweep_stale(tmp)
+    assert len(removed) == 2  # its working directory and the kernel's directory
+    if _cgroups.support().kill is not None:
+        assert any(f"kx-{proc.pid}-" in path for path in _cgroups.sweep_stale())
+
+
+def test_killing_the_parent_kills_only_that_kernel() -> None:
+    with kx.KernelExecutor() as ex:
+        s, other = ex.session("parent"), ex.session("bystander")
+        other.run_code("kept = 1")
+        s.run_code("before = 1")
+        pid = int(s.run_code("import os; os.getpid()").result or 0)
+        # Output first, so the host knows the code started (a kernel that dies before it shows
+        # any sign of the request gets the request again on a fresh kernel).
+        result = s.run_code(
+            "import os, signal, time\nprint('bye', flush=True)\ntime.sleep(0.5)\n"
+            "os.kill(os.getppid(), signal.SIGKILL)\ntime.sleep(30)"
+        )
+        assert result.error is not None and result.error.kind == "kernel_died"
+        assert "SIGKILL" in result.error.evalue
+        assert gone([pid]) == []
+        assert s.run_code("'back'").result == "'back'"
+        assert other.run_code("kept").result == "1"
+
+
+def test_killpg_of_its_own_group() -> None:
+    with kx.KernelExecutor() as ex:
+        s = ex.session("killpg")
+        result = s.run_code(
+            "import os, signal, time\nprint('bye', flush=True)\ntime.sleep(0.5)\n"
+            "os.killpg(0, signal.SIGKILL)"
+        )
+        assert result.error is not None and result.error.kind == "kernel_died"
+        assert "SIGKILL" in result.error.evalue
+        assert s.run_code("'back'").result == "'back'"

@@ -1,0 +1,139 @@
+"""Hostile: one agent's kernel goes after another agent's kernel and the host's secrets.
+
+At ``"process"`` on a root host (kernels as their own users) and at ``"bwrap"``, a tool that
+searches the machine for connection files and connects to what it finds reaches no other
+kernel, and no ``/proc/*/environ`` holds the host's secret.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Iterator
+
+import pytest
+
+import kernelexec as kx
+from kernelexec.backends import LocalBackend
+from tests.hostile.conftest import needs_bwrap, needs_root
+
+HUNT = r"""
+import glob, json, os
+def hunt(secret):
+    found, read, reached = [], [], []
+    for pattern in ('/tmp/**/kernel.json', '/tmp/**/kernel-*.json', '/run/**/kernel*.json',
+                    os.path.expanduser('~') + '/**/kernel*.json'):
+        found += glob.glob(pattern, recursive=True)
+    mine = os.path.realpath(get_ipython().kernel.config['IPKernelApp']['connection_file'])
+    for path in sorted(set(found)):
+        if os.path.realpath(path) == mine:
+            continue
+        try:
+            info = json.load(open(path))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(info, dict) or 'key' not in info:
+            continue  # a kernelspec, not a connection file
+        read.append(path)
+        from jupyter_client import BlockingKernelClient
+        kc = BlockingKernelClient()
+        kc.load_connection_info(info)
+        kc.start_channels()
+        try:
+            kc.kernel_info(reply=False)
+            if kc.get_shell_msg(timeout=2):
+                reached.append(path)
+        except Exception:
+            pass
+        finally:
+            kc.stop_channels()
+    environ = []
+    for pid in os.listdir('/proc'):
+        if not pid.isdigit():
+            continue
+        try:
+            if secret.encode() in open('/proc/' + pid + '/environ', 'rb').read():
+                environ.append(int(pid))
+        except OSError:
+            pass
+    return {'read': read, 'reached': reached, 'environ': environ,
+            'own_env': secret in str(os.environ)}
+"""
+
+
+@pytest.fixture
+def secret(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    value = uuid.uuid4().hex
+    monkeypatch.setenv("KX_HOSTILE_SECRET", value)
+    yield value
+
+
+def _hunt(ex: kx.KernelExecutor, secret: str) -> dict[str, object]:
+    victim = ex.session("tenant-b")
+    assert victim.run_code("b_private = 'b'").ok
+    attacker = ex.session("tenant-a")
+    assert attacker.run_code(HUNT).ok
+    result = attacker.run_code(f"hunt({secret!r})", timeout=60)
+    assert result.ok, result.error
+    assert victim.run_code("b_private").result == "'b'"  # B untouched
+    return eval(result.result or "{}")  # type: ignore[no-any-return]
+
+
+@needs_bwrap
+def test_bwrap_tenants_cannot_reach_each_other_or_the_hosts_environment(secret: str) -> None:
+    with kx.KernelExecutor(isolation="bwrap") as ex:
+        found = _hunt(ex, secret)
+    assert found == {"read": [], "reached": [], "environ": [], "own_env": False}
+
+
+@needs_root
+def test_process_tenants_on_a_root_host_run_as_separate_users(
+    reachable_host: str, secret: str
+) -> None:
+    with kx.KernelExecutor(backend=LocalBackend(python=reachable_host)) as ex:
+        session = ex.session("tenant-a")
+        assert session.isolation.level == "process"
+        assert session.isolation.boundaries["user"].startswith("its own unprivileged user")
+        found = _hunt(ex, secret)
+        uid_a = ex.session("tenant-a").run_code("import os; os.getuid()").result
+        uid_b = ex.session("tenant-b").run_code("import os; os.getuid()").result
+        mode = ex.session("tenant-a").run_code(
+            "import os, stat; oct(stat.S_IMODE(os.stat(os.getcwd()).st_mode))"
+        )
+    assert found == {"read": [], "reached": [], "environ": [], "own_env": False}
+    assert uid_a != uid_b and int(uid_a or 0) >= 2_000_000_000
+    assert mode.result == "'0o700'"
+
+
+@needs_root
+def test_process_tenants_cannot_read_each_others_session_files(reachable_host: str) -> None:
+    with kx.KernelExecutor(backend=LocalBackend(python=reachable_host)) as ex:
+        a, b = ex.session("files-a"), ex.session("files-b")
+        assert a.run_code("open('secret.txt', 'w').write('a only')").ok
+        path = str(a.workdir / "secret.txt")
+        result = b.run_code(f"open({path!r}).read()")
+        assert result.error is not None and result.error.ename == "PermissionError"
+        listing = b.run_code(f"import os; os.listdir({str(a.workdir.parent)!r})")
+        assert listing.error is not None and listing.error.ename == "PermissionError"
+        assert (a.workdir / "secret.txt").read_text() == "a only"  # the host reads it
+
+
+@needs_bwrap
+def test_bwrap_sessions_cannot_read_each_others_files() -> None:
+    with kx.KernelExecutor(isolation="bwrap") as ex:
+        a, b = ex.session("bf-a"), ex.session("bf-b")
+        assert a.run_code("open('secret.txt', 'w').write('a only')").ok
+        path = str(a.workdir / "secret.txt")
+        result = b.run_code(f"open({path!r}).read()")
+        assert result.error is not None
+        expected = "PermissionError" if os.geteuid() == 0 else "FileNotFoundError"
+        assert result.error.ename == expected
+
+
+def test_the_default_process_level_scrubs_the_environment(secret: str) -> None:
+    with kx.KernelExecutor() as ex:
+        s = ex.session("env")
+        assert s.isolation.level == "process"
+        assert s.run_code(f"import os; {secret!r} in str(os.environ)").result == "False"
+        home = s.run_code("import os; os.environ['HOME']").result
+        assert home is not None and home.strip("'") != os.path.expanduser("~")
