@@ -296,6 +296,62 @@ async def bench_first_call(results: dict[str, Any], rounds: int) -> None:
     results["first_call_prewarm"] = stats(warm)
 
 
+ISOLATION_LEVELS = ("none", "process", "bwrap")
+
+
+async def bench_isolation(results: dict[str, Any], n: int, rounds: int) -> None:
+    """Warm call and cold start at each isolation level (bwrap only where it is installed).
+
+    Warm calls are interleaved across the levels like the warm rows; each cold start is a new
+    executor's first call (no prewarm), levels taking turns.
+    """
+    tool = kx.Tool.from_source(ADD_SOURCE)
+    args = {"a": 1, "b": 2}
+    levels = [lv for lv in ISOLATION_LEVELS if lv != "bwrap" or shutil.which("bwrap")]
+    log(f"isolation levels {', '.join(levels)}: {n} warm calls each, {rounds} cold starts each")
+    cold: dict[str, list[float]] = {lv: [] for lv in levels}
+    for _ in range(rounds):
+        for level in levels:
+            async with kx.AsyncKernelExecutor(isolation=level) as ex:
+                t0 = time.perf_counter()
+                await ex.call_tool(tool, args, agent_id="cold")
+                cold[level].append(time.perf_counter() - t0)
+    async with contextlib.AsyncExitStack() as stack:
+        sessions = {}
+        for level in levels:
+            ex = await stack.enter_async_context(kx.AsyncKernelExecutor(isolation=level))
+            sessions[level] = await ex.session("warm")
+            for _ in range(5):
+                await sessions[level].call_tool(tool, args)
+        warm: dict[str, list[float]] = {lv: [] for lv in levels}
+        for _ in range(ROUNDS):
+            for level in levels:
+                s = sessions[level]
+                warm[level] += await timed(max(1, n // ROUNDS), lambda s=s: s.call_tool(tool, args))
+    results["isolation"] = {
+        level: {"warm": stats(warm[level]), "cold": stats(cold[level])} for level in levels
+    }
+
+
+def isolation_table(results: dict[str, Any]) -> list[str]:
+    """The per-level rows."""
+    rows = results.get("isolation")
+    if not rows:
+        return []
+    lines = [
+        "",
+        "| isolation | warm call_tool median ms | p99 ms | cold start (first call) median ms "
+        "| p90 ms |",
+        "|---|---|---|---|---|",
+    ]
+    for level, r in rows.items():
+        lines.append(
+            f"| {level} | {r['warm']['median_ms']:.2f} | {r['warm']['p99_ms']:.2f} | "
+            f"{r['cold']['median_ms']:.0f} | {r['cold']['p90_ms']:.0f} |"
+        )
+    return lines
+
+
 async def bench_throughput(results: dict[str, Any], levels: list[int], window: float) -> None:
     tool = kx.Tool.from_source(ADD_SOURCE)
     rows = []
@@ -406,6 +462,8 @@ async def bench_stateful(results: dict[str, Any], queries: int, workdir: str) ->
 
 
 def table(results: dict[str, Any]) -> str:
+    if "baseline" not in results:  # --isolation-only
+        return "\n".join(isolation_table(results))
     base = results["baseline"]["median_ms"]
     floor = results["floor_jupyter_client"]["median_ms"]
     lines = [
@@ -481,6 +539,7 @@ def table(results: dict[str, Any]) -> str:
             f"{st['baseline_total_s_extrapolated']:.1f} s ({ratio:.0f}x slower in total, "
             f"{st['baseline_per_call_ms'] / st['kernelexec_per_query_ms']:.0f}x per query)",
         ]
+    lines += isolation_table(results)
     return "\n".join(lines)
 
 
@@ -495,6 +554,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
         },
         "quick": quick,
     }
+    if args.isolation_only:
+        await bench_isolation(results, n=50 if quick else 1000, rounds=1 if quick else 8)
+        return results
     with tempfile.TemporaryDirectory(prefix="kxbench-") as workdir:
         await bench_warm(
             results, n=50 if quick else 1000, n_base=10 if quick else 200, workdir=workdir
@@ -504,12 +566,16 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             results, levels=[1, 2] if quick else [1, 2, 4, 8, 32], window=0.5 if quick else 3.0
         )
         await bench_stateful(results, queries=10 if quick else 100, workdir=workdir)
+    await bench_isolation(results, n=50 if quick else 1000, rounds=1 if quick else 8)
     return results
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="tiny counts (smoke run)")
+    parser.add_argument(
+        "--isolation-only", action="store_true", help="only the rows per isolation level"
+    )
     parser.add_argument(
         "--out", default=str(Path(__file__).parent / "results" / "latest.json"), help="JSON path"
     )

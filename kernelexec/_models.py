@@ -111,7 +111,8 @@ class ExecError(BaseModel):
             ``env_setup_failed``
             (its virtual environment could not be built; ``evalue`` ends with the installer's
             output), ``limit_exceeded`` (the kernel was killed for a resource limit; ``evalue``
-            names the limit and its value). Only kernelexec's own checks set the kinds other than ``exception``;
+            names the limit and its value). Only kernelexec's own checks set the kinds other
+            than ``exception``;
             an exception's class name never does.
         ename: Exception class name (e.g. ``"ValueError"``).
         evalue: Exception message.

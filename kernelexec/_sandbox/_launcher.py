@@ -6,7 +6,8 @@ It is standard-library Python run as text (``python -c``) by the host's interpre
 works for any kernel interpreter. It makes itself a child subreaper, so processes the kernel
 orphans (double forks, ``setsid`` daemons) become its children and cannot escape, and asks for
 SIGTERM when the host's thread that started it goes (``PR_SET_PDEATHSIG``); the kernel gets
-SIGKILL when the launcher goes, so killing the launcher cannot leave the kernel running. Whatever ends
+SIGKILL when the launcher goes, so killing the launcher cannot leave the kernel running. Whatever
+ends
 the kernel, the launcher kills the remaining descendants and exits with the kernel's status
 (re-raising the signal that killed it), so the host sees the kernel's own exit.
 """
@@ -130,4 +131,12 @@ def launcher_argv(
 ) -> list[str]:
     """The command line that runs ``kernel_argv`` under the launcher."""
     cfg = {"procs": procs, "rlimits": rlimits, "uid": uid, "host": host_pid}
-    return [sys.executable, "-I", "-S", "-c", SOURCE, json.dumps(cfg, separators=(",", ":")), *kernel_argv]
+    return [
+        sys.executable,
+        "-I",
+        "-S",
+        "-c",
+        SOURCE,
+        json.dumps(cfg, separators=(",", ":")),
+        *kernel_argv,
+    ]

@@ -73,7 +73,12 @@ def interpreter_paths(python: str) -> tuple[str, ...]:
     paths = {os.path.dirname(os.path.realpath(python))}
     try:
         out = subprocess.run(
-            [python, "-I", "-c", "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix]))"],
+            [
+                python,
+                "-I",
+                "-c",
+                "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix]))",
+            ],
             capture_output=True,
             text=True,
             timeout=30,
@@ -172,7 +177,11 @@ def make_plan(
                 f"{name}={shown} cannot be enforced here: it needs a writable cgroup "
                 f"{_cgroups.CONTROLLERS[name]} controller (cgroup v2, or v1 as root), which "
                 f"this host does not offer"
-                + (", or kernels running as their own users (a root host)" if name == "max_processes" else "")
+                + (
+                    ", or kernels running as their own users (a root host)"
+                    if name == "max_processes"
+                    else ""
+                )
             )
     kill = sup.kill
     bounds = {

@@ -46,6 +46,12 @@ def blocked(path: str) -> str | None:
     return None
 
 
+def allow_search(path: str) -> None:
+    """Add search permission for everyone (not read) to the directory ``path``."""
+    if os.path.isdir(path):
+        os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) | 0o011)
+
+
 def hand_over(path: str, uid: int) -> None:
     """Give ``path`` and everything under it to ``uid`` (group too), the top mode 0700.
 

@@ -159,6 +159,7 @@ class KernelConnection(abc.ABC):
         (which creates ``path`` if missing and changes into it). The default does nothing; a
         backend that runs each kernel as its own user hands the directory to that user.
         """
+        return None
 
 
 class KernelBackend(abc.ABC):

@@ -247,9 +247,8 @@ class LocalConnection(KernelConnection):
             if plan.own_user:
                 self._uid = _users.uid_for(kdir)
                 _users.hand_over(kdir, self._uid)
-                if self._workdir and os.path.isdir(self._workdir):
-                    mode = os.stat(self._workdir).st_mode & 0o777
-                    os.chmod(self._workdir, mode | 0o011)  # search, not list
+                if self._workdir:
+                    _users.allow_search(self._workdir)
             env["HOME"] = kdir
             env.update(plan.extra_env)
             if plan.use_cgroup:
@@ -439,7 +438,8 @@ class LocalConnection(KernelConnection):
             # Garbage from the kernel (it holds the key and may send anything): drop it.
             return self._drop("a message that does not decode")
 
-    def _drop(self, what: str) -> None:
+    def _drop(self, what: str) -> KernelMessage | None:
+        """Count a message that is not let through; always None (nothing to hand on)."""
         self.dropped += 1
         if self.dropped == 1 or self.dropped % 1000 == 0:
             log.warning("dropped %s from a kernel (%d dropped so far)", what, self.dropped)
@@ -491,7 +491,6 @@ class LocalConnection(KernelConnection):
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = ""
 
-
     async def _stop_launcher(self, km: AsyncKernelManager) -> None:
         """Have the launcher kill the kernel and every descendant, and wait until it has."""
         proc = getattr(km.provisioner, "process", None)
@@ -499,10 +498,9 @@ class LocalConnection(KernelConnection):
             return
         with contextlib.suppress(OSError):
             proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + 5.0
-        while proc.poll() is None and time.monotonic() < deadline:
-            await asyncio.sleep(0.005)
-        if proc.poll() is None:
+        try:
+            await asyncio.to_thread(proc.wait, 5.0)
+        except subprocess.TimeoutExpired:
             with contextlib.suppress(OSError):
                 proc.kill()
 

@@ -4,6 +4,7 @@ its exact outcome and that the session works on the next call."""
 from __future__ import annotations
 
 import asyncio
+import os
 import string
 from collections.abc import Iterator
 from pathlib import Path
@@ -211,4 +212,7 @@ async def test_50_sessions_opened_and_closed_in_a_loop(tmp_path: Path) -> None:
         assert ex.kernel_count <= 2  # "warm" and at most one prewarmed kernel
         assert host.num_fds() <= fds + 4
         assert host.num_threads() <= threads + 2
-    assert len(list(tmp_path.glob("loop-*.ipynb"))) == 50
+    saved = sorted(p.name for p in os.scandir(tmp_path))
+    assert [n for n in saved if n.startswith("loop-")] == sorted(
+        f"loop-{i}.ipynb" for i in range(50)
+    )

@@ -3,6 +3,7 @@ processes and other sessions. Each case asserts what it finds: nothing."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import tempfile
@@ -103,10 +104,8 @@ def test_a_listener_on_the_hosts_loopback_receives_no_connection(
     server.settimeout(0.5)
 
     def accept() -> None:
-        try:
+        with contextlib.suppress(OSError):
             accepted.append(server.accept())
-        except OSError:
-            pass
 
     thread = threading.Thread(target=accept)
     thread.start()

@@ -90,6 +90,9 @@ def test_descendants_die_with_a_sigkilled_host(level: str) -> None:
     assert len(launchers) == 1 and len(daemons) == 1
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
+    proc.stdout.close()
+    assert proc.stdin is not None
+    proc.stdin.close()
     assert gone(launchers + daemons) == []
     # What the dead host could not remove is swept by the next one.
     removed = sweep_stale(tmp)
