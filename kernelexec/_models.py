@@ -10,9 +10,9 @@ import datetime as dt
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kernelexec._exceptions import ExecutionError, ExecutionTimeout
+from kernelexec._exceptions import ConfigError, ExecutionError, ExecutionTimeout
 from kernelexec._tools._tool import Tool
 
 ErrorKind = Literal[
@@ -71,6 +71,15 @@ class Limits(BaseModel):
     max_processes: int | None = Field(None, ge=32)
     max_open_files: int | None = Field(None, ge=128)
     max_file_mb: int | None = Field(None, ge=1)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
+            )
+            raise ConfigError(f"invalid limits: {problems}") from None
 
     def given(self) -> dict[str, float]:
         """The limits set explicitly, by name."""
