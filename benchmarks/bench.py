@@ -576,10 +576,11 @@ def main() -> int:
     parser.add_argument(
         "--isolation-only", action="store_true", help="only the rows per isolation level"
     )
-    parser.add_argument(
-        "--out", default=str(Path(__file__).parent / "results" / "latest.json"), help="JSON path"
-    )
+    parser.add_argument("--out", default=None, help="JSON path (default: results/latest.json)")
     args = parser.parse_args()
+    if args.out is None:
+        name = "isolation.json" if args.isolation_only else "latest.json"
+        args.out = str(Path(__file__).parent / "results" / name)
     results = asyncio.run(main_async(args))
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

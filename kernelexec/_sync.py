@@ -22,7 +22,7 @@ from kernelexec._core._session import AsyncSession
 from kernelexec._core._state import Lifecycle
 from kernelexec._envs._builder import ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
-from kernelexec._models import Execution, ToolResult
+from kernelexec._models import Execution, Isolation, ToolResult
 from kernelexec._notebooks._replay import ReplayReport, areplay
 from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend
@@ -74,8 +74,9 @@ class Session:
         return self._inner.workdir
 
     @property
-    def isolation(self) -> Any:
-        """What is in force for this session's kernel (a :class:`~kernelexec.Isolation`)."""
+    def isolation(self) -> Isolation:
+        """What is in force for this session's kernel: ``.level``, and per limit and per
+        boundary the mechanism that enforces it."""
         return self._inner.isolation
 
     @property
