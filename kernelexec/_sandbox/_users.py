@@ -8,7 +8,6 @@ directory shares, so two live kernels never get the same uid (also across host p
 
 from __future__ import annotations
 
-import contextlib
 import os
 import stat
 from pathlib import Path
@@ -52,15 +51,42 @@ def allow_search(path: str) -> None:
         os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) | 0o011)
 
 
+def hand_back(path: str, uid: int) -> None:
+    """Give what ``uid`` owns in ``path`` back to the host's user (the kernel has ended).
+
+    A later kernel may get the same uid (uids follow inode numbers, which are reused), so
+    nothing a kernel made may stay owned by its uid once it is gone.
+    """
+    host = os.geteuid()
+    for root, dirs, files in os.walk(path):
+        for name in [".", *dirs, *files]:
+            entry = os.path.normpath(os.path.join(root, name))
+            try:
+                if os.lstat(entry).st_uid == uid:
+                    os.chown(entry, host, host, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+
+
 def hand_over(path: str, uid: int) -> None:
     """Give ``path`` and everything under it to ``uid`` (group too), the top mode 0700.
 
     Symlinks are changed themselves, never followed: the tree may hold what an earlier kernel
-    planted.
+    planted. Only what belongs to the host or to a kernel user changes hands, and never a file
+    with a second hard link (a planted link to a host file would hand that file over).
     """
     os.chown(path, uid, uid, follow_symlinks=False)
     os.chmod(path, 0o700)
+    host = os.geteuid()
     for root, dirs, files in os.walk(path):
         for name in dirs + files:
-            with contextlib.suppress(FileNotFoundError):
-                os.chown(os.path.join(root, name), uid, uid, follow_symlinks=False)
+            entry = os.path.join(root, name)
+            try:
+                st = os.lstat(entry)
+                if st.st_uid != host and st.st_uid < UID_BASE:
+                    continue
+                if not stat.S_ISDIR(st.st_mode) and st.st_nlink > 1:
+                    continue
+                os.chown(entry, uid, uid, follow_symlinks=False)
+            except FileNotFoundError:
+                continue

@@ -223,6 +223,7 @@ class LocalConnection(KernelConnection):
         self._workdir = workdir
         self._dir = ""
         self._uid: int | None = None
+        self._entered: set[str] = set()  # working directories handed to the kernel's user
         self._cgroup: _cgroups.KernelCgroup | None = None
         self.dropped = 0
         """Messages dropped for a bad signature, a replay or garbage (since the start)."""
@@ -449,6 +450,7 @@ class LocalConnection(KernelConnection):
         if self._uid is None:
             return
         os.makedirs(path, exist_ok=True)
+        self._entered.add(path)
         await asyncio.to_thread(_users.hand_over, path, self._uid)
 
     async def interrupt(self) -> None:
@@ -477,6 +479,10 @@ class LocalConnection(KernelConnection):
             if self._cgroup is not None:
                 cgroup, self._cgroup = self._cgroup, None
                 await asyncio.to_thread(cgroup.remove)
+            uid, self._uid = self._uid, None
+            entered, self._entered = self._entered, set()
+            for path in entered if uid is not None else ():
+                await asyncio.to_thread(_users.hand_back, path, uid)
             if km.has_kernel:
                 try:
                     await km.shutdown_kernel(now=True)

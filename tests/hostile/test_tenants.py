@@ -8,8 +8,10 @@ kernel, and no ``/proc/*/environ`` holds the host's secret.
 from __future__ import annotations
 
 import os
+import tempfile
 import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -137,3 +139,27 @@ def test_the_default_process_level_scrubs_the_environment(secret: str) -> None:
         assert s.run_code(f"import os; {secret!r} in str(os.environ)").result == "False"
         home = s.run_code("import os; os.environ['HOME']").result
         assert home is not None and home.strip("'") != os.path.expanduser("~")
+
+
+@needs_bwrap
+@needs_root
+def test_a_planted_hard_link_does_not_hand_a_host_file_over() -> None:
+    outside = Path(tempfile.gettempdir()) / f"host-{uuid.uuid4().hex}"
+    outside.write_text("the host's")
+    try:
+        with kx.KernelExecutor(isolation="bwrap") as ex:
+            s = ex.session("link")
+            assert s.run_code("open('mine.txt', 'w').write('k')").ok
+            os.link(outside, s.workdir / "planted")  # as a kernel would, were links allowed
+            s.restart()
+            assert s.run_code("open('mine.txt').read()").result == "'k'"
+            assert (s.workdir / "mine.txt").stat().st_uid >= 2_000_000_000  # the new user's
+            assert outside.stat().st_uid == 0  # the linked host file was not handed over
+            denied = s.run_code("open('planted', 'a').write('x')")
+            assert denied.error is not None and denied.error.ename == "PermissionError"
+            s.close()
+            # A later kernel may get the same uid: nothing stays owned by the ended kernel's.
+            owners = {p.stat().st_uid for p in [s.workdir, *s.workdir.iterdir()]}
+            assert owners == {0}
+    finally:
+        outside.unlink()
