@@ -481,8 +481,9 @@ class LocalConnection(KernelConnection):
                 await asyncio.to_thread(cgroup.remove)
             uid, self._uid = self._uid, None
             entered, self._entered = self._entered, set()
-            for path in entered if uid is not None else ():
-                await asyncio.to_thread(_users.hand_back, path, uid)
+            if uid is not None:
+                for path in entered:
+                    await asyncio.to_thread(_users.hand_back, path, uid)
             if km.has_kernel:
                 try:
                     await km.shutdown_kernel(now=True)
