@@ -87,6 +87,12 @@ class Execution(BaseModel):
         duration_s: Wall-clock seconds from sending the request to having the whole result.
         kernel_restarted: True when this run cost the session its kernel state.
         lost_variables: When state was lost, the user variable names that existed before.
+        lost_outputs: Output messages the kernel sent that never arrived (the transport
+            dropped them while the host fell behind); ``stdout`` then ends with a
+            ``[kernelexec: N output messages ... lost ...]`` marker. 0 when all arrived.
+        recording_error: Why this run could not be saved to the session's recording file
+            (``None`` when it was saved, or nothing is recorded to a file). The notebook stays
+            complete in memory and the next save writes it whole.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -101,6 +107,8 @@ class Execution(BaseModel):
     duration_s: float = 0.0
     kernel_restarted: bool = False
     lost_variables: list[str] = Field(default_factory=list)
+    lost_outputs: int = 0
+    recording_error: str | None = None
 
     @property
     def ok(self) -> bool:

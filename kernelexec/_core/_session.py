@@ -16,7 +16,7 @@ from typing import Any, Protocol
 from nbformat import NotebookNode
 
 from kernelexec._core._lease import KernelLease
-from kernelexec._core._outputs import Callbacks, OutputCallback
+from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_request
 from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
 from kernelexec._models import ExecError, Execution, RunRecord, ToolResult, now_iso
@@ -371,8 +371,10 @@ class AsyncSession:
                 )
             elif reply.get("status") != "ok" or collected.error is not None:
                 error = protocol.error_from(collected.error or reply, protocol.failure_kind(reply))
+        lost_outputs = _account_outputs(collected, protocol.output_count(reply))
         fields: dict[str, Any] = {
             "status": "error" if error else "success",
+            "lost_outputs": lost_outputs,
             "stdout": collected.stdout,
             "stderr": collected.stderr,
             "outputs": collected.outputs,
@@ -383,6 +385,39 @@ class AsyncSession:
             "lost_variables": sorted(set(lost_names)),
         }
         return fields, report
+
+
+def _account_outputs(collected: Collected, count: protocol.OutputCount | None) -> int:
+    """Compare what arrived with what the kernel side sent; say in ``stdout`` (and return) how
+    many output messages were lost, and how many outputs the budget suppressed."""
+    if count is None:
+        return 0
+    lost = max(0, count.sent - collected.received)
+    notes = []
+    if lost:
+        notes.append(
+            f"[kernelexec: {lost} output message(s) of {count.sent} lost: sent by the kernel, "
+            "never received (dropped in transit while the host fell behind, or refused)]"
+        )
+    if count.suppressed:
+        notes.append(
+            f"[kernelexec: {count.suppressed} more output(s) dropped: over the output budget "
+            f"of {count.limit} characters]"
+        )
+    if notes:
+        text = "\n" if collected.stdout and not collected.stdout.endswith("\n") else ""
+        text += "\n".join(notes) + "\n"
+        collected.stdout += text
+        outputs = collected.outputs
+        if (
+            outputs
+            and outputs[-1].get("output_type") == "stream"
+            and outputs[-1]["name"] == "stdout"
+        ):
+            outputs[-1]["text"] += text
+        else:
+            outputs.append({"output_type": "stream", "name": "stdout", "text": text})
+    return lost
 
 
 def _not_run(error: ExecError) -> dict[str, Any]:

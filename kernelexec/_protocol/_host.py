@@ -201,6 +201,26 @@ def error_from(content: dict[str, Any], kind: ErrorKind) -> ExecError:
     )
 
 
+@dataclass(frozen=True, slots=True)
+class OutputCount:
+    """What the kernel side says a run's output was: messages sent, outputs suppressed because
+    the budget was spent, and the budget."""
+
+    sent: int
+    suppressed: int
+    limit: int
+
+
+def output_count(reply: dict[str, Any]) -> OutputCount | None:
+    """The kernel side's count of the run's output messages, from its reply (None: no count)."""
+    for payload in _payloads(reply):
+        if payload.get("source") == kernel_side.OUTPUTS_PAYLOAD:
+            values = [payload.get(k) for k in ("sent", "suppressed", "limit")]
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                return OutputCount(*cast(list[int], values))
+    return None
+
+
 def _payloads(reply: dict[str, Any]) -> list[dict[str, Any]]:
     payloads = reply.get("payload")
     if not isinstance(payloads, list):

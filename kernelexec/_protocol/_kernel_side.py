@@ -6,8 +6,11 @@ ipykernel) and executed there as the module ``__kernelexec__``. It uses the stan
 
 What it does inside the kernel:
 
-* caps the bytes a single execution may write to stdout/stderr (the kernel otherwise ships a
-  200 MB print as one message);
+* caps the characters a single execution may send as output (stdout/stderr, displays, errors
+  and tracebacks share ``max_output_chars``; the kernel otherwise ships a 200 MB print as one
+  message), counts the output messages it sent, and reports the count with the reply
+  (``OUTPUTS_PAYLOAD``), so the host can tell when the transport dropped some;
+* keeps no output history (IPython 9 would keep every printed byte for the kernel's lifetime);
 * runs tool calls whose arguments arrive as JSON in the request's metadata, never as code;
 * converts return values to JSON (see :func:`to_jsonable` for the rules) and hands them back
   through ``user_expressions`` in the execute reply, a channel the tool's own prints and displays
@@ -75,19 +78,176 @@ class KernelexecResultTooLarge(Exception):
     """The tool's return value is larger than the configured limit once encoded as JSON."""
 
 
+OUTPUTS_PAYLOAD = "kernelexec.outputs"
+"""The ``source`` of the reply payload that says how many output messages a run sent."""
+
+OUTPUT_TYPES = frozenset(
+    {"stream", "display_data", "execute_result", "error", "update_display_data", "clear_output"}
+)
+"""The iopub message types that are a run's outputs (counted on both sides)."""
+
+_ERROR_FLOOR = 2_000  # an error is always readable, even when prints used the whole budget
+
+
 class _Budget:
-    """A per-execution byte budget shared by stdout and stderr."""
+    """A run's output budget, shared by every kind of output, and its count of sent messages.
+
+    Enforced where ipykernel hands a message to its session for sending (``_guard_session``),
+    below anything IPython or user code may swap (``sys.stdout.write`` is rewrapped by IPython
+    9 around every cell). Also called from ipykernel's IOPub thread, hence the lock.
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.used = 0
-        self.dropped = 0
         self.lock = threading.Lock()
+        self.reset(None)
 
-    def reset(self) -> None:
+    def reset(self, run_id: str | None) -> None:
         with self.lock:
+            self.run_id = run_id
             self.used = 0
-            self.dropped = 0
+            self.sent = 0  # output messages of this run handed to the session
+            self.suppressed = 0  # outputs not sent at all: the budget was spent
+            self.stream_cut = False
+            self.error_allowance = _ERROR_FLOOR
+
+    def admit(self, kind: str, content: dict[str, Any], parent_id: Any) -> bool:
+        """Fit an output message into the budget (``content`` is cut in place); False: drop it."""
+        with self.lock:
+            keep = self._fit(kind, content)
+            if parent_id == self.run_id and self.run_id is not None:
+                if keep:
+                    self.sent += 1
+                else:
+                    self.suppressed += 1
+            return keep
+
+    def _fit(self, kind: str, content: dict[str, Any]) -> bool:
+        room = self.limit - self.used
+        if kind == "stream":
+            if self.stream_cut:
+                return False
+            text = str(content.get("text", ""))
+            if len(text) > room:
+                content["text"] = (
+                    text[: max(room, 0)]
+                    + f"\n[kernelexec: output truncated at {self.limit} characters]\n"
+                )
+                self.stream_cut = True
+            self.used += min(len(text), max(room, 0))
+            return True
+        if kind in ("display_data", "execute_result", "update_display_data"):
+            data = content.get("data")
+            size = _data_size(data) if isinstance(data, dict) else 0
+            if size <= room:
+                self.used += size
+                return True
+            if room <= 0:
+                return False
+            content["data"] = {
+                "text/plain": f"[kernelexec: display output of {size} characters dropped: "
+                f"over the output budget of {self.limit} characters]"
+            }
+            content["metadata"] = {}
+            self.used = self.limit
+            return True
+        if kind == "error":
+            self.error_allowance = max(room, _ERROR_FLOOR)
+            self.used += cap_error(content, self.error_allowance)
+            return True
+        return True  # clear_output
+
+
+def _data_size(data: dict[str, Any]) -> int:
+    size = 0
+    for value in data.values():
+        if isinstance(value, str):
+            size += len(value)
+        else:
+            try:
+                size += len(json.dumps(value))
+            except (TypeError, ValueError):
+                size += len(repr(value))
+    return size
+
+
+def cap_error(content: dict[str, Any], allowance: int) -> int:
+    """Cut an error's message and traceback (in place) to ``allowance`` characters in all,
+    keeping the end of the traceback (where the failure is); returns the size kept."""
+    evalue = str(content.get("evalue", ""))
+    traceback = [str(line) for line in content.get("traceback") or []]
+    size = len(evalue) + sum(len(line) for line in traceback)
+    if size <= allowance:
+        return size
+    half = allowance // 2
+    if len(evalue) > half:
+        dropped = len(evalue) - half
+        evalue = evalue[:half] + f"... [kernelexec: {dropped} characters cut]"
+    rest = allowance - len(evalue)
+    kept: list[str] = []
+    for line in reversed(traceback):
+        if rest <= 0:
+            break
+        if len(line) > rest:
+            line = line[:rest] + "... [kernelexec: cut]"
+        kept.append(line)
+        rest -= len(line)
+    if sum(len(line) for line in kept) < sum(len(line) for line in traceback):
+        kept.append(f"[kernelexec: traceback cut to the output budget of {allowance} characters]")
+    content["evalue"] = evalue
+    content["traceback"] = kept[::-1]
+    return allowance
+
+
+def _parent_id(parent: Any) -> Any:
+    if not isinstance(parent, dict):
+        return None
+    header = parent.get("header", parent)
+    return header.get("msg_id") if isinstance(header, dict) else None
+
+
+def _guard_session(session: Any, budget: _Budget) -> None:
+    """Make every output message pass the budget before it is serialised and sent."""
+    original = session.send
+
+    def send(
+        stream: Any,
+        msg_or_type: Any,
+        content: Any = None,
+        parent: Any = None,
+        *args: Any,
+        **kw: Any,
+    ) -> Any:
+        if isinstance(msg_or_type, dict):
+            kind = (msg_or_type.get("header") or {}).get("msg_type")
+            body = msg_or_type.get("content")
+            parent_id = _parent_id(msg_or_type.get("parent_header"))
+        else:
+            kind, body, parent_id = msg_or_type, content, _parent_id(parent)
+        if kind in OUTPUT_TYPES and isinstance(body, dict):
+            if not budget.admit(kind, body, parent_id):
+                return None
+        return original(stream, msg_or_type, content, parent, *args, **kw)
+
+    session.send = send
+
+
+class _NoOutputHistory(dict):  # type: ignore[type-arg]
+    """Stands in for IPython's output history (``%history -o``): everything put in is dropped.
+
+    IPython 9 keeps every printed byte and displayed bundle of a kernel's lifetime there.
+    """
+
+    def __missing__(self, key: Any) -> list[Any]:
+        return []
+
+
+def _keep_no_output_history(shell: Any) -> None:
+    # ``_tee`` is IPython 9's per-cell wrapper of sys.stdout/err.write that fills the history.
+    shell._tee = lambda channel: contextlib.nullcontext()
+    history = getattr(shell, "history_manager", None)
+    if history is not None and hasattr(history, "outputs"):
+        history.outputs = _NoOutputHistory()
 
 
 _state: dict[str, Any] = {"result": None, "tools": {}, "budget": None}
@@ -111,28 +271,6 @@ def _failed(kind: str, error: Exception) -> Exception:
     """
     _ip().payload_manager.write_payload({"source": ERROR_PAYLOAD, "kind": kind})
     return error
-
-
-def _cap_stream(stream: Any, budget: _Budget) -> None:
-    original = stream.write
-
-    def write(text: str) -> int:
-        # Also called from ipykernel's fd-capture thread, hence the lock.
-        with budget.lock:
-            room = budget.limit - budget.used
-            if room <= 0:
-                budget.dropped += len(text)
-                return len(text)
-            keep = text[:room]
-            budget.used += len(keep)
-            over = len(text) - len(keep)
-            budget.dropped += over
-        original(keep)
-        if over:
-            original(f"\n[kernelexec: output truncated at {budget.limit} characters]\n")
-        return len(text)
-
-    stream.write = write
 
 
 def _skip_empty_flush(stream: Any) -> None:
@@ -206,30 +344,58 @@ def install() -> None:
     cfg = _payload()
     if "debugpy" in sys.modules and sys.modules["debugpy"] is None:
         del sys.modules["debugpy"]  # blocked only while ipykernel started (see the launcher)
+    if hasattr(sys, "set_int_max_str_digits"):
+        sys.set_int_max_str_digits(0)  # big integers cross as JSON both ways (see the README)
     budget = _Budget(int(cfg.get("max_output_chars", 1_000_000)))
     _state["budget"] = budget
-    for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "session"):  # an ipykernel OutStream
-            _cap_stream(stream, budget)
-            if cfg.get("fast_paths", True):
+    shell = _ip()
+    kernel = shell.kernel
+    _keep_no_output_history(shell)
+    guarded: set[int] = set()
+    for owner in (kernel, sys.stdout, sys.stderr, shell.displayhook, shell.display_pub):
+        session = getattr(owner, "session", None)
+        if session is not None and id(session) not in guarded:
+            guarded.add(id(session))
+            _guard_session(session, budget)
+    if cfg.get("fast_paths", True):
+        for stream in (sys.stdout, sys.stderr):
+            if hasattr(stream, "session"):  # an ipykernel OutStream
                 _skip_empty_flush(stream)
     if cfg.get("fast_paths", True) and cfg.get("report_expression"):
         _fast_report(cfg["report_expression"])
     streams = [s for s in (sys.stdout, sys.stderr) if hasattr(s, "session")]
-    _ip().events.register("post_execute", lambda: _wait_for_fd_output(streams))
-    _ip().events.register("pre_execute", budget.reset)
-    _ip().events.register("pre_execute", configure)
-    _ip().events.register("pre_execute", _enter_env)
-    kernel = _ip().kernel
+    shell.events.register("post_execute", lambda: _wait_for_fd_output(streams))
+    shell.events.register("pre_execute", lambda: budget.reset(_run_id()))
+    shell.events.register("pre_execute", configure)
+    shell.events.register("pre_execute", _enter_env)
     finish_metadata = kernel.finish_metadata
 
     def finish(parent: Any, metadata: Any, reply_content: Any) -> Any:
         # Called after every execute request, sync or async cell, success or error (IPython
         # skips post_execute for top-level-await cells): the one place to end an overlay.
+        # The run's output was flushed just before, so its count is complete here.
         _leave_env()
+        _account(budget, parent, reply_content)
         return finish_metadata(parent, metadata, reply_content)
 
     kernel.finish_metadata = finish
+
+
+def _run_id() -> Any:
+    return _parent_id(_ip().kernel.get_parent())
+
+
+def _account(budget: _Budget, parent: Any, reply: Any) -> None:
+    """Put the run's output count in its reply, and cut the reply's copy of an error."""
+    if not isinstance(reply, dict) or _parent_id(parent) != budget.run_id:
+        return
+    if reply.get("status") == "error":
+        cap_error(reply, budget.error_allowance)
+    with budget.lock:
+        counts = {"sent": budget.sent, "suppressed": budget.suppressed, "limit": budget.limit}
+    payload = reply.get("payload")
+    if isinstance(payload, list):
+        payload.append({"source": OUTPUTS_PAYLOAD, **counts})
 
 
 def _enter_env() -> None:
