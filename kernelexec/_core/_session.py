@@ -15,6 +15,7 @@ from typing import Any, Protocol
 
 from nbformat import NotebookNode
 
+from kernelexec._config import valid_timeout
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_request
@@ -282,10 +283,7 @@ class AsyncSession:
             raise ExecutorClosedError(f"session {self.agent_id!r} is closed")
 
     def _check_timeout(self, timeout: float | None) -> float:
-        timeout = self._timeout if timeout is None else timeout
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
-        return timeout
+        return self._timeout if timeout is None else valid_timeout(timeout)
 
     async def _observe(self, record: RunRecord) -> None:
         for observer in self._observers:
