@@ -7,7 +7,6 @@ The recorder is an observer of the session (``run_finished``): it gets each run 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import filelock
 import nbformat
 from nbformat import NotebookNode
 
+from kernelexec import _json
 from kernelexec._exceptions import ConfigError, NotebookError
 from kernelexec._models import RunRecord, now_iso
 from kernelexec._notebooks._io import ERROR_TAG, KEY, call_source, read_notebook, write_atomic
@@ -192,15 +192,23 @@ class SessionRecorder:
             self.notebook.cells.append(definition)
             self._defined[tool.name] = tool.digest
             fresh = False
-        call_args = dict(args)
-        if tool.takes_agent_state:
-            call_args["agent_state"] = state_json(record.agent_state)
-        source = call_source(tool.name, call_args)
+        unfit = next(
+            (p for k, v in args.items() if (p := _json.problem(v, str(k))) is not None), None
+        )
+        if unfit is not None:
+            # Refused before running (not JSON, too deep): keep why, not the value itself.
+            args = {}
+            source = f"{tool.name}(...)  # arguments not recorded: {unfit}"
+        else:
+            call_args = dict(args)
+            if tool.takes_agent_state:
+                call_args["agent_state"] = state_json(record.agent_state)
+            source = call_source(tool.name, call_args)
         meta = self._meta("tool_call", record, fresh)
         meta["tool"] = tool.name
         meta["args"] = args
         value = getattr(result, "func_return", None)
-        if len(json.dumps(value, ensure_ascii=False, default=str)) <= _MAX_RETURN_IN_META:
+        if len(_json.dumps(value, ensure_ascii=False, default=str)) <= _MAX_RETURN_IN_META:
             meta["func_return"] = value
         else:
             meta["func_return_omitted"] = True  # too big; the cell's output shows it
@@ -234,7 +242,7 @@ class SessionRecorder:
 
 def _dumps(value: Any) -> str:
     # nbformat's own layout: one-space indent, sorted keys, unicode kept.
-    return json.dumps(value, indent=1, sort_keys=True, ensure_ascii=False)
+    return _json.dumps(value, indent=1, sort_keys=True, ensure_ascii=False)
 
 
 def _indented(text: str, prefix: str) -> str:

@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel
 
+from kernelexec import _json
 from kernelexec._models import ErrorKind, ExecError
 from kernelexec._protocol import _kernel_side as kernel_side
 from kernelexec._tools._tool import Tool
@@ -124,7 +125,7 @@ def tool_call_request(
     spec: dict[str, Any] = {
         "name": tool.name,
         "digest": tool.digest,
-        "args": json.dumps(args, ensure_ascii=False),
+        "args": _json.dumps(args, ensure_ascii=False),
         "env": dict(env_vars or {}),
         "max_result_chars": max_result_chars,
         "source": tool.source_code,
@@ -160,8 +161,8 @@ def read_report(reply: dict[str, Any]) -> Report | None:
     if not isinstance(text, str):
         return None
     try:
-        data = json.loads(text)
-    except ValueError:
+        data = _json.loads(text)
+    except (ValueError, RecursionError):
         return None
     if not isinstance(data, dict):
         return None

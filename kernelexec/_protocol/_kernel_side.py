@@ -224,9 +224,12 @@ def _guard_session(session: Any, budget: _Budget) -> None:
             parent_id = _parent_id(msg_or_type.get("parent_header"))
         else:
             kind, body, parent_id = msg_or_type, content, _parent_id(parent)
-        if kind in OUTPUT_TYPES and isinstance(body, dict):
-            if not budget.admit(kind, body, parent_id):
-                return None
+        if (
+            kind in OUTPUT_TYPES
+            and isinstance(body, dict)
+            and not budget.admit(str(kind), body, parent_id)
+        ):
+            return None
         return original(stream, msg_or_type, content, parent, *args, **kw)
 
     session.send = send
@@ -586,7 +589,11 @@ def _float(value: float) -> Any:
     return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
-def to_jsonable(value: Any, _seen: set[int] | None = None) -> Any:
+MAX_DEPTH = 100
+"""The deepest nesting of a return value or agent state (the host checks arguments the same)."""
+
+
+def to_jsonable(value: Any, _seen: set[int] | None = None, _depth: int = 0) -> Any:
     """Convert a value to JSON data, never failing.
 
     Rules: JSON types pass through (non-finite floats become ``"NaN"``/``"Infinity"``/
@@ -596,17 +603,22 @@ def to_jsonable(value: Any, _seen: set[int] | None = None) -> Any:
     text when they are UTF-8, else base64; enums become their value; pydantic models their
     ``model_dump(mode="json")``; dataclasses their fields; objects with ``tolist`` or ``to_dict``
     (NumPy, pandas) what those return; anything else its ``repr``. A container that contains
-    itself yields ``"<circular reference>"`` at the point of recursion.
+    itself yields ``"<circular reference>"`` at the point of recursion. A value nested deeper
+    than ``MAX_DEPTH`` fails the call as ``result_too_large``.
     """
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         return _float(value)
+    if _depth >= MAX_DEPTH:
+        message = f"the value is nested deeper than {MAX_DEPTH} levels (the limit on JSON nesting)"
+        raise _failed(RESULT_TOO_LARGE, KernelexecResultTooLarge(message))
+    depth = _depth + 1
     seen = _seen if _seen is not None else set()
     if id(value) in seen:
         return "<circular reference>"
     if isinstance(value, enum.Enum):
-        return to_jsonable(value.value, seen)
+        return to_jsonable(value.value, seen, depth)
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
         return value.isoformat()
     if isinstance(value, datetime.timedelta):
@@ -622,29 +634,30 @@ def to_jsonable(value: Any, _seen: set[int] | None = None) -> Any:
     seen.add(id(value))
     try:
         if isinstance(value, dict):
-            return {_key(k): to_jsonable(v, seen) for k, v in value.items()}
+            return {_key(k): to_jsonable(v, seen, depth) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return [to_jsonable(v, seen) for v in value]
+            return [to_jsonable(v, seen, depth) for v in value]
         if isinstance(value, (set, frozenset)):
             items = list(value)
             with contextlib.suppress(TypeError):
                 items.sort()
-            return [to_jsonable(v, seen) for v in items]
+            return [to_jsonable(v, seen, depth) for v in items]
         dump = getattr(value, "model_dump", None)
         if callable(dump) and not isinstance(value, type):
             try:
-                return to_jsonable(dump(mode="json"), seen)
+                return to_jsonable(dump(mode="json"), seen, depth)
             except Exception:
                 pass
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return {
-                f.name: to_jsonable(getattr(value, f.name), seen) for f in dataclasses.fields(value)
+                f.name: to_jsonable(getattr(value, f.name), seen, depth)
+                for f in dataclasses.fields(value)
             }
         for method in ("tolist", "to_dict"):
             fn = getattr(value, method, None)
             if callable(fn) and not isinstance(value, type):
                 try:
-                    return to_jsonable(fn(), seen)
+                    return to_jsonable(fn(), seen, depth)
                 except Exception:
                     pass
         return _safe_repr(value)
