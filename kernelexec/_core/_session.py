@@ -30,8 +30,9 @@ from kernelexec._tools._tool import Tool
 class RunObserver(Protocol):
     """Told about every finished run of a session, in order, before its caller gets it."""
 
-    async def run_finished(self, record: RunRecord) -> None:
-        """Take note of ``record`` (it must not raise for an I/O failure: log it)."""
+    async def run_finished(self, record: RunRecord) -> str | None:
+        """Take note of ``record``; return None, or what went wrong keeping it (an I/O
+        failure must not raise: it is reported on the run's result as ``recording_error``)."""
 
     def close(self) -> None:
         """The session closed."""
@@ -139,7 +140,7 @@ class AsyncSession:
             result, report, generation = await self._execute(request, timeout, callbacks)
             execution = Execution(**result)
             if self._observers:
-                await self._observe(
+                problem = await self._observe(
                     RunRecord(
                         kind="code",
                         agent_id=self.agent_id,
@@ -153,6 +154,8 @@ class AsyncSession:
                         language_info=report.language_info if report else None,
                     )
                 )
+                if problem is not None:
+                    execution = execution.model_copy(update={"recording_error": problem})
         return execution
 
     async def call_tool(
@@ -224,7 +227,7 @@ class AsyncSession:
                         )
                 full = ToolResult(**fields)
             if self._observers:
-                await self._observe(
+                problem = await self._observe(
                     RunRecord(
                         kind="tool_call",
                         agent_id=self.agent_id,
@@ -240,6 +243,8 @@ class AsyncSession:
                         language_info=report.language_info if report else None,
                     )
                 )
+                if problem is not None:
+                    full = full.model_copy(update={"recording_error": problem})
         if not recording:
             return full
         # The return value was displayed only for the notebook; the result is the same whether
@@ -285,9 +290,9 @@ class AsyncSession:
     def _check_timeout(self, timeout: float | None) -> float:
         return self._timeout if timeout is None else valid_timeout(timeout)
 
-    async def _observe(self, record: RunRecord) -> None:
-        for observer in self._observers:
-            await observer.run_finished(record)
+    async def _observe(self, record: RunRecord) -> str | None:
+        problems = [p for o in self._observers if (p := await o.run_finished(record))]
+        return "; ".join(problems) or None
 
     async def _execute(
         self, request: ExecuteRequest, timeout: float, callbacks: Callbacks

@@ -99,19 +99,24 @@ class SessionRecorder:
         }
         return nb
 
-    async def run_finished(self, record: RunRecord) -> None:
+    async def run_finished(self, record: RunRecord) -> str | None:
         """Record a finished run and save the file (off the event loop).
 
-        A save that fails (disk full, permissions) is logged and the run's result kept: the
-        notebook stays complete in memory and the next save writes it whole.
+        Returns:
+            None when the run was saved (or the notebook is kept in memory only), else why the
+            save failed (disk full, permissions): the caller's result says so
+            (``recording_error``). The notebook stays complete in memory and the next save
+            writes it whole.
         """
         self.add(record)
         if self.path is None:
-            return
+            return None
         try:
             await asyncio.to_thread(self.save)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             log.warning("could not save the recording %s: %s", self.path, exc)
+            return f"could not save the recording {self.path}: {exc}"
+        return None
 
     def add(self, record: RunRecord) -> None:
         """Append ``record`` as cells: a code cell, or a tool's definition and call cells."""
