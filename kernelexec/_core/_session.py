@@ -83,6 +83,16 @@ class AsyncSession:
     # -- public API -------------------------------------------------------------------------
 
     @property
+    def lease(self) -> KernelLease:
+        """The session's hold on its kernel (for the executor's budget)."""
+        return self._lease
+
+    @property
+    def recorder(self) -> SessionRecorder | None:
+        """The session's notebook recorder, if it records."""
+        return self._recorder
+
+    @property
     def busy(self) -> bool:
         """True while a call runs or waits to run."""
         return self._lease.busy
