@@ -23,6 +23,7 @@ ErrorKind = Literal[
     "invalid_tool",
     "result_too_large",
     "env_setup_failed",
+    "cancelled",
 ]
 
 DEFAULT_ENV_ALLOWLIST: tuple[str, ...] = (
@@ -58,7 +59,9 @@ class ExecError(BaseModel):
             (the return value or agent state is over ``max_result_chars`` as JSON),
             ``env_setup_failed``
             (its virtual environment could not be built; ``evalue`` ends with the installer's
-            output). Only kernelexec's own checks set the kinds other than ``exception``;
+            output), ``cancelled`` (the caller cancelled the call: seen only in recordings,
+            since the caller got ``CancelledError``). Only kernelexec's own checks set the
+            kinds other than ``exception``;
             an exception's class name never does.
         ename: Exception class name (e.g. ``"ValueError"``).
         evalue: Exception message.

@@ -8,6 +8,7 @@ is one). The kernel's lifecycle is the lease's (``_lease``).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePath
@@ -18,7 +19,7 @@ from nbformat import NotebookNode
 from kernelexec._config import valid_timeout
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
-from kernelexec._core._run import RunOutcome, run_request
+from kernelexec._core._run import RunOutcome, finish_shielded, run_request
 from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
 from kernelexec._models import ExecError, Execution, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
@@ -79,6 +80,7 @@ class AsyncSession:
         )
         self._on_close = on_close
         self._closed = False
+        self._current: RunOutcome | None = None  # the run in progress, for a cancellation
 
     # -- public API -------------------------------------------------------------------------
 
@@ -147,7 +149,16 @@ class AsyncSession:
         async with self._lease.hold():
             self._check_open()
             started = now_iso()
-            result, report, generation = await self._execute(request, timeout, callbacks)
+            try:
+                result, report, generation = await self._execute(request, timeout, callbacks)
+            except asyncio.CancelledError:
+                self._raise_if_closed_under_us()
+                await finish_shielded(
+                    self._record_cancelled(
+                        kind="code", code=code, started=started, timeout_s=timeout
+                    )
+                )
+                raise
             execution = Execution(**result)
             if self._observers:
                 problem = await self._observe(
@@ -226,7 +237,21 @@ class AsyncSession:
                     display=recording,
                 )
                 callbacks = Callbacks(on_stdout, on_stderr, on_display)
-                fields, report, generation = await self._execute(request, timeout, callbacks)
+                try:
+                    fields, report, generation = await self._execute(request, timeout, callbacks)
+                except asyncio.CancelledError:
+                    self._raise_if_closed_under_us()
+                    await finish_shielded(
+                        self._record_cancelled(
+                            kind="tool_call",
+                            tool=tool,
+                            args=args,
+                            agent_state=agent_state,
+                            started=started,
+                            timeout_s=timeout,
+                        )
+                    )
+                    raise
                 fields["sandbox_config_fingerprint"] = self.fingerprint
                 fields["agent_state"] = agent_state
                 if report is not None and report.result is not None:
@@ -328,6 +353,53 @@ class AsyncSession:
         fields["duration_s"] = time.monotonic() - start
         return fields, report, generation
 
+    def _raise_if_closed_under_us(self) -> None:
+        """A run ended by the executor closing (its kernels shut down under it) was not
+        cancelled by its caller: tell the caller what happened instead."""
+        task = asyncio.current_task()
+        if self._closed and task is not None and not task.cancelling():
+            raise ExecutorClosedError(
+                f"the executor was closed while a call of session {self.agent_id!r} ran"
+            ) from None
+
+    async def _record_cancelled(self, **record: Any) -> None:
+        """A call its caller cancelled: replace the kernel now if the call did not stop when
+        interrupted (so the next call starts on a healthy kernel and is not blamed), and hand
+        the observers the run as far as it went (its outputs so far)."""
+        out, self._current = self._current, None
+        generation = self._lease.generation
+        replaced = out is not None and (out.stuck or out.died) and not self._closed
+        if replaced:
+            await self._lease.lose_state()  # the next run reports the lost names
+        if not self._observers:
+            return
+        why = "the caller cancelled the call; " + (
+            "it did not stop when interrupted, so its kernel was replaced and its state lost"
+            if replaced
+            else "it was interrupted"
+        )
+        collected = out.collected if out is not None else Collected()
+        fields: dict[str, Any] = {
+            "status": "error",
+            "error": ExecError(kind="cancelled", ename="CancelledError", evalue=why),
+            "stdout": collected.stdout,
+            "stderr": collected.stderr,
+            "outputs": collected.outputs,
+            "execution_count": collected.execution_count,
+            "kernel_restarted": replaced,
+        }
+        result = ToolResult(**fields) if record["kind"] == "tool_call" else Execution(**fields)
+        await self._observe(
+            RunRecord(
+                agent_id=self.agent_id,
+                result=result,
+                ran=out is not None and out.started,
+                finished=now_iso(),
+                kernel_generation=generation,
+                **record,
+            )
+        )
+
     async def _send(
         self, request: ExecuteRequest, timeout: float, callbacks: Callbacks
     ) -> RunOutcome:
@@ -336,6 +408,7 @@ class AsyncSession:
         settings = self._lease.take_settings()
         if settings is not None:
             request = protocol.with_configure(request, settings)
+        self._current = RunOutcome()
         return await run_request(
             conn,
             request,
@@ -344,6 +417,7 @@ class AsyncSession:
             output_grace=self._output_grace,
             max_output_chars=self._max_output,
             callbacks=callbacks,
+            out=self._current,
         )
 
     async def _finish(

@@ -140,7 +140,7 @@ class SessionRecorder:
         return {
             "kind": kind,
             "agent_id": self.agent_id,
-            "status": record.result.status if record.ran else "not_run",
+            "status": _status(record),
             "error_kind": error.kind if error is not None else None,
             "duration_s": round(record.result.duration_s, 6),
             "started": record.started,
@@ -243,6 +243,13 @@ class SessionRecorder:
             + f' "nbformat_minor": {self.notebook.nbformat_minor}\n}}\n'
         )
         write_atomic(self.path, text)
+
+
+def _status(record: RunRecord) -> str:
+    error = record.result.error
+    if error is not None and error.kind == "cancelled":
+        return "cancelled"  # it ran (as far as it got) whether or not it reached the kernel
+    return record.result.status if record.ran else "not_run"
 
 
 def _dumps(value: Any) -> str:

@@ -138,7 +138,8 @@ async def areplay(
     requirements, or reused from the cache). Cells recorded by kernelexec are re-run with the
     timeout they had, and the kernel is
     restarted where the recorded session got a fresh kernel, so a recorded timeout or lost
-    state replays as it happened. Calls that were rejected before running are skipped.
+    state replays as it happened. Calls that were rejected before running are skipped, and so are
+    calls their caller cancelled (how far they got cannot be reproduced).
 
     Args:
         path: The notebook.
@@ -175,8 +176,8 @@ async def areplay(
             if cell.cell_type != "code":
                 continue
             meta = cell.metadata.get(KEY) or {}
-            if meta.get("status") == "not_run":
-                continue
+            if meta.get("status") in ("not_run", "cancelled"):
+                continue  # never ran, or ran only until its caller cancelled it
             if meta.get("fresh_kernel") and ran:
                 await session.restart()
             timeout = recorded_timeouts[index] or default_timeout
