@@ -220,9 +220,11 @@ class AsyncKernelExecutor:
 
     @property
     def sessions(self) -> dict[str, AsyncSession]:
-        """The open sessions of the default environment by agent id (a copy)."""
+        """The open sessions of the default environment by agent id (a copy); a session whose
+        kernel was evicted is listed while its caller still holds it."""
         default = self.fingerprint
-        return {agent: s for (agent, fp), s in self._sessions.items() if fp == default}
+        known = [*self._parked.items(), *self._sessions.items()]
+        return {agent: s for (agent, fp), s in known if fp == default}
 
     @property
     def kernel_count(self) -> int:
