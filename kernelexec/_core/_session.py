@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePath
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from nbformat import NotebookNode
 
@@ -138,21 +138,9 @@ class AsyncSession:
             started = now_iso()
             result, report, generation = await self._execute(request, timeout, callbacks)
             execution = Execution(**result)
-            if self._observers:
-                await self._observe(
-                    RunRecord(
-                        kind="code",
-                        agent_id=self.agent_id,
-                        result=execution,
-                        code=code,
-                        ran=_ran(execution),
-                        started=started,
-                        finished=now_iso(),
-                        timeout_s=timeout,
-                        kernel_generation=generation,
-                        language_info=report.language_info if report else None,
-                    )
-                )
+            await self._observe(
+                "code", execution, started, timeout, generation, report, {"code": code}
+            )
         return execution
 
     async def call_tool(
@@ -223,23 +211,8 @@ class AsyncSession:
                             agent_state, report.result["agent_state"]
                         )
                 full = ToolResult(**fields)
-            if self._observers:
-                await self._observe(
-                    RunRecord(
-                        kind="tool_call",
-                        agent_id=self.agent_id,
-                        result=full,
-                        tool=tool,
-                        args=args,
-                        agent_state=agent_state,
-                        ran=_ran(full),
-                        started=started,
-                        finished=now_iso(),
-                        timeout_s=timeout,
-                        kernel_generation=generation,
-                        language_info=report.language_info if report else None,
-                    )
-                )
+            call = {"tool": tool, "args": args, "agent_state": agent_state}
+            await self._observe("tool_call", full, started, timeout, generation, report, call)
         if not recording:
             return full
         # The return value was displayed only for the notebook; the result is the same whether
@@ -283,7 +256,32 @@ class AsyncSession:
             raise ValueError(f"timeout must be positive, got {timeout}")
         return timeout
 
-    async def _observe(self, record: RunRecord) -> None:
+    async def _observe(
+        self,
+        kind: Literal["code", "tool_call"],
+        result: Execution,
+        started: str,
+        timeout: float,
+        generation: int,
+        report: protocol.Report | None,
+        what: dict[str, Any],
+    ) -> None:
+        """Hand the finished run to every observer, in order (nothing is built without one)."""
+        if not self._observers:
+            return
+        record = RunRecord(
+            kind=kind,
+            agent_id=self.agent_id,
+            result=result,
+            ran=result.error is None
+            or result.error.kind not in ("invalid_args", "env_setup_failed"),
+            started=started,
+            finished=now_iso(),
+            timeout_s=timeout,
+            kernel_generation=generation,
+            language_info=report.language_info if report else None,
+            **what,
+        )
         for observer in self._observers:
             await observer.run_finished(record)
 
@@ -384,10 +382,6 @@ class AsyncSession:
 def _not_run(error: ExecError) -> dict[str, Any]:
     """Result fields of a run that never reached a kernel."""
     return {"status": "error", "error": error, "outputs": [], "stdout": "", "stderr": ""}
-
-
-def _ran(result: Execution) -> bool:
-    return result.error is None or result.error.kind not in ("invalid_args", "env_setup_failed")
 
 
 def _env_problem(env_vars: Any) -> str | None:
