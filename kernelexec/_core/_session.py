@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePath
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from nbformat import NotebookNode
 
@@ -20,6 +20,7 @@ from kernelexec._config import valid_timeout
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, finish_shielded, run_request
+from kernelexec._core._state import Lifecycle
 from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
 from kernelexec._models import ExecError, Execution, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
@@ -79,7 +80,7 @@ class AsyncSession:
             (recorder, *observers) if recorder is not None else observers
         )
         self._on_close = on_close
-        self._closed = False
+        self._state = Lifecycle(f"session {agent_id!r}", opened=True)
         self._current: RunOutcome | None = None  # the run in progress, for a cancellation
 
     # -- public API -------------------------------------------------------------------------
@@ -147,7 +148,7 @@ class AsyncSession:
         request = protocol.code_request(code, env_vars)
         callbacks = Callbacks(on_stdout, on_stderr, on_display)
         async with self._lease.hold():
-            self._check_open()
+            self._state.check()
             started = now_iso()
             try:
                 result, report, generation = await self._execute(request, timeout, callbacks)
@@ -160,23 +161,11 @@ class AsyncSession:
                 )
                 raise
             execution = Execution(**result)
-            if self._observers:
-                problem = await self._observe(
-                    RunRecord(
-                        kind="code",
-                        agent_id=self.agent_id,
-                        result=execution,
-                        code=code,
-                        ran=_ran(execution),
-                        started=started,
-                        finished=now_iso(),
-                        timeout_s=timeout,
-                        kernel_generation=generation,
-                        language_info=report.language_info if report else None,
-                    )
-                )
-                if problem is not None:
-                    execution = execution.model_copy(update={"recording_error": problem})
+            problem = await self._observe(
+                "code", execution, started, timeout, generation, report, {"code": code}
+            )
+            if problem is not None:
+                execution = execution.model_copy(update={"recording_error": problem})
         return execution
 
     async def call_tool(
@@ -214,7 +203,7 @@ class AsyncSession:
             problems.append(problem)
         recording = self._recorder is not None
         async with self._lease.hold():
-            self._check_open()
+            self._state.check()
             started = now_iso()
             if problems:
                 error = ExecError(
@@ -261,25 +250,12 @@ class AsyncSession:
                             agent_state, report.result["agent_state"]
                         )
                 full = ToolResult(**fields)
-            if self._observers:
-                problem = await self._observe(
-                    RunRecord(
-                        kind="tool_call",
-                        agent_id=self.agent_id,
-                        result=full,
-                        tool=tool,
-                        args=args,
-                        agent_state=agent_state,
-                        ran=_ran(full),
-                        started=started,
-                        finished=now_iso(),
-                        timeout_s=timeout,
-                        kernel_generation=generation,
-                        language_info=report.language_info if report else None,
-                    )
-                )
-                if problem is not None:
-                    full = full.model_copy(update={"recording_error": problem})
+            call = {"tool": tool, "args": args, "agent_state": agent_state}
+            problem = await self._observe(
+                "tool_call", full, started, timeout, generation, report, call
+            )
+            if problem is not None:
+                full = full.model_copy(update={"recording_error": problem})
         if not recording:
             return full
         # The return value was displayed only for the notebook; the result is the same whether
@@ -289,7 +265,7 @@ class AsyncSession:
 
     async def interrupt(self) -> None:
         """Interrupt whatever the kernel is running now (the running call gets the error)."""
-        self._check_open()
+        self._state.check()
         conn = self._lease.connection
         if conn is not None:
             await conn.interrupt()
@@ -297,7 +273,7 @@ class AsyncSession:
     async def restart(self) -> None:
         """Replace the kernel with a fresh one now; all state is lost."""
         async with self._lease.hold():
-            self._check_open()
+            self._state.check()
             if self._lease.has_kernel:
                 await self._lease.lose_state()
 
@@ -310,22 +286,46 @@ class AsyncSession:
 
     def mark_closed(self) -> None:
         """Refuse further calls and let the observers go (used by the executor)."""
-        if self._closed:
+        if not self._state.close():
             return
-        self._closed = True
         for observer in self._observers:
             observer.close()
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ExecutorClosedError(f"session {self.agent_id!r} is closed")
-
     def _check_timeout(self, timeout: float | None) -> float:
         return self._timeout if timeout is None else valid_timeout(timeout)
 
-    async def _observe(self, record: RunRecord) -> str | None:
+    async def _observe(
+        self,
+        kind: Literal["code", "tool_call"],
+        result: Execution,
+        started: str,
+        timeout: float,
+        generation: int,
+        report: protocol.Report | None,
+        what: dict[str, Any],
+    ) -> str | None:
+        """Hand the finished run to every observer, in order (nothing is built without one);
+        return what went wrong keeping it (for ``recording_error``), else None."""
+        if not self._observers:
+            return None
+        record = RunRecord(
+            kind=kind,
+            agent_id=self.agent_id,
+            result=result,
+            ran=result.error is None
+            or result.error.kind not in ("invalid_args", "env_setup_failed"),
+            started=started,
+            finished=now_iso(),
+            timeout_s=timeout,
+            kernel_generation=generation,
+            language_info=report.language_info if report else None,
+            **what,
+        )
+        return await self._notify(record)
+
+    async def _notify(self, record: RunRecord) -> str | None:
         problems = [p for o in self._observers if (p := await o.run_finished(record))]
         return "; ".join(problems) or None
 
@@ -357,7 +357,7 @@ class AsyncSession:
         """A run ended by the executor closing (its kernels shut down under it) was not
         cancelled by its caller: tell the caller what happened instead."""
         task = asyncio.current_task()
-        if self._closed and task is not None and not task.cancelling():
+        if self._state.closed and task is not None and not task.cancelling():
             raise ExecutorClosedError(
                 f"the executor was closed while a call of session {self.agent_id!r} ran"
             ) from None
@@ -368,7 +368,7 @@ class AsyncSession:
         the observers the run as far as it went (its outputs so far)."""
         out, self._current = self._current, None
         generation = self._lease.generation
-        replaced = out is not None and (out.stuck or out.died) and not self._closed
+        replaced = out is not None and (out.stuck or out.died) and not self._state.closed
         if replaced:
             await self._lease.lose_state()  # the next run reports the lost names
         if not self._observers:
@@ -389,7 +389,7 @@ class AsyncSession:
             "kernel_restarted": replaced,
         }
         result = ToolResult(**fields) if record["kind"] == "tool_call" else Execution(**fields)
-        await self._observe(
+        await self._notify(
             RunRecord(
                 agent_id=self.agent_id,
                 result=result,
@@ -510,10 +510,6 @@ def _account_outputs(collected: Collected, count: protocol.OutputCount | None) -
 def _not_run(error: ExecError) -> dict[str, Any]:
     """Result fields of a run that never reached a kernel."""
     return {"status": "error", "error": error, "outputs": [], "stdout": "", "stderr": ""}
-
-
-def _ran(result: Execution) -> bool:
-    return result.error is None or result.error.kind not in ("invalid_args", "env_setup_failed")
 
 
 def _env_problem(env_vars: Any) -> str | None:
