@@ -4,6 +4,7 @@ recorded), and closing the executor ends calls in flight with ExecutorClosedErro
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import pytest
 
@@ -60,3 +61,27 @@ async def test_closing_the_executor_ends_calls_in_flight_with_executor_closed() 
         await call
     with pytest.raises(kx.ExecutorClosedError):
         await queued
+
+
+def test_closing_the_blocking_executor_ends_a_call_in_another_thread() -> None:
+    ex = kx.KernelExecutor()
+    started = threading.Event()
+    outcome: list[object] = []
+
+    def work() -> None:
+        try:
+            outcome.append(
+                ex.run_code(
+                    "import time; print('go', flush=True); time.sleep(60)",
+                    on_stdout=lambda _: started.set(),
+                )
+            )
+        except Exception as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    assert started.wait(30)
+    ex.close()
+    worker.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], kx.ExecutorClosedError)

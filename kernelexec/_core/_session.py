@@ -357,7 +357,8 @@ class AsyncSession:
         """A run ended by the executor closing (its kernels shut down under it) was not
         cancelled by its caller: tell the caller what happened instead."""
         task = asyncio.current_task()
-        if self._state.closed and task is not None and not task.cancelling():
+        cancelling = getattr(task, "cancelling", None)  # Python 3.11+; 3.10 cannot tell
+        if self._state.closed and not (callable(cancelling) and cancelling()):
             raise ExecutorClosedError(
                 f"the executor was closed while a call of session {self.agent_id!r} ran"
             ) from None
