@@ -119,6 +119,8 @@ def test_the_cap_holds_after_ipython_swaps_the_stream_writer() -> None:
         )
         assert "truncated" in probe.stdout
         assert ex.run_code("kept").result == "0"
+        assert ex.run_code("raise ValueError('kept?')").error is not None
+        assert ex.run_code("len(hm.exceptions)").result == "0"
 
 
 def test_displays_and_errors_share_the_budget() -> None:

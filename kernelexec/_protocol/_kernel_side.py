@@ -236,21 +236,28 @@ def _guard_session(session: Any, budget: _Budget) -> None:
 
 
 class _NoOutputHistory(dict):  # type: ignore[type-arg]
-    """Stands in for IPython's output history (``%history -o``): everything put in is dropped.
+    """Stands in for IPython's output and exception history: everything put in is dropped.
 
-    IPython 9 keeps every printed byte and displayed bundle of a kernel's lifetime there.
+    IPython 9 keeps every printed byte, displayed bundle (``%history -o``) and formatted
+    traceback of a kernel's lifetime there.
     """
 
     def __missing__(self, key: Any) -> list[Any]:
         return []
 
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
 
 def _keep_no_output_history(shell: Any) -> None:
     # ``_tee`` is IPython 9's per-cell wrapper of sys.stdout/err.write that fills the history.
     shell._tee = lambda channel: contextlib.nullcontext()
+    if hasattr(shell, "_format_exception_for_storage"):
+        shell._format_exception_for_storage = lambda *args, **kwargs: None  # formats it again
     history = getattr(shell, "history_manager", None)
-    if history is not None and hasattr(history, "outputs"):
-        history.outputs = _NoOutputHistory()
+    for name in ("outputs", "exceptions"):
+        if history is not None and hasattr(history, name):
+            setattr(history, name, _NoOutputHistory())
 
 
 _state: dict[str, Any] = {"result": None, "tools": {}, "budget": None}
