@@ -154,3 +154,18 @@ def test_positional_only_and_generator_tools_are_refused_at_definition() -> None
         '''
     )
     assert fine.name == "fine"
+
+
+def test_a_hand_built_generator_tool_is_invalid_tool_in_the_kernel(
+    executor: kx.KernelExecutor,
+) -> None:
+    schema = {"name": "gen", "description": "", "parameters": {"type": "object"}}
+    gen = kx.Tool(name="gen", source_code="def gen():\n    yield 1\n", json_schema=schema)
+    result = executor.call_tool(gen, {}, agent_id="hand-built")
+    assert result.error is not None and result.error.kind == "invalid_tool"
+    assert "generator" in result.error.evalue
+    open_schema = {**schema, "parameters": {"type": "object", "additionalProperties": True}}
+    po = kx.Tool(name="po", source_code="def po(a, /):\n    return a\n", json_schema=open_schema)
+    result = executor.call_tool(po, {"a": 1}, agent_id="hand-built")
+    assert result.error is not None and result.error.kind == "invalid_tool"
+    assert "positional-only" in result.error.evalue

@@ -500,8 +500,22 @@ def _define(name: str, source: str, digest: str) -> tuple[Any, inspect.Signature
         signature: inspect.Signature | None = inspect.signature(fn)
     except (TypeError, ValueError):
         signature = None  # builtins without a signature: let the call itself complain
+    _refuse_shape(name, fn, signature)
     _state["tools"][name] = (digest, fn, signature)
     return fn, signature
+
+
+def _refuse_shape(name: str, fn: Any, signature: inspect.Signature | None) -> None:
+    """The shapes ``Tool.from_source`` refuses, refused again for a ``Tool`` built by hand."""
+    problem = None
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        problem = "is a generator function (it yields); its body would never run"
+    elif signature is not None and any(
+        p.kind is inspect.Parameter.POSITIONAL_ONLY for p in signature.parameters.values()
+    ):
+        problem = "has positional-only parameters; arguments arrive by name"
+    if problem:
+        raise _failed(INVALID_TOOL, KernelexecInvalidTool(f"tool {name!r} {problem}"))
 
 
 def _load_agent_state(spec: dict[str, Any]) -> Any:
