@@ -351,6 +351,7 @@ class AsyncSession:
         generation = self._lease.generation
         fields, report = await self._finish(out, timeout, lost)
         fields["duration_s"] = time.monotonic() - start
+        self._current = None  # the result owns its outputs now
         return fields, report, generation
 
     def _raise_if_closed_under_us(self) -> None:
