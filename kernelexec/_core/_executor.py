@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import functools
 import os
 import shutil
 from pathlib import Path, PurePath, PurePosixPath
@@ -280,9 +281,17 @@ class AsyncKernelExecutor:
             max_output_chars=cfg.max_output_chars,
             max_result_chars=cfg.max_result_chars,
             recorder=recorder,
+            on_close=functools.partial(self._session_closed, lease),
         )
         self._sessions[(agent_id, fingerprint)] = session
         return session
+
+    async def _session_closed(self, lease: KernelLease, session: AsyncSession) -> None:
+        """Forget a session its owner closed, so the agent id opens a new one next time."""
+        key = (session.agent_id, session.fingerprint)
+        if self._sessions.get(key) is session:
+            del self._sessions[key]
+        self._budget.forget(lease)
 
     def _session_dir(self, agent_id: str) -> PurePath:
         assert self._workdir is not None
