@@ -1,0 +1,154 @@
+"""Running the MCP server: over stdio, or over streamable HTTP behind a bearer-token check.
+
+Shutdown is where kernels leak, so both paths close the executor themselves: over stdio when
+the client closes stdin or on SIGTERM/SIGINT (the SDK's stdio client SIGTERMs the server 2 s
+after closing stdin, and kernels run in their own process sessions, out of reach of that
+signal); over HTTP in the Starlette lifespan, because uvicorn re-raises the signal after its
+graceful shutdown and nothing after ``serve()`` would run.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import secrets
+import signal
+import socket
+import sys
+
+import anyio
+import uvicorn
+from mcp.server.lowlevel import Server
+from mcp.server.stdio import stdio_server
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from kernelexec._mcp._options import TOKEN_ENV, McpOptions, load_tools
+from kernelexec._mcp._server import ServerState, build_server
+
+log = logging.getLogger("kernelexec.mcp")
+
+MCP_PATH = "/mcp"
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+class BearerAuth:
+    """ASGI middleware answering 401 to any HTTP request without ``Authorization: Bearer
+    <token>``, before the MCP app (and so any session or kernel) sees it."""
+
+    def __init__(self, app: ASGIApp, token: str) -> None:
+        self.app = app
+        self._expected = f"Bearer {token}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] in ("http", "websocket"):
+            given = b""
+            for key, value in scope.get("headers", []):
+                if key == b"authorization":
+                    given = value
+            if not secrets.compare_digest(given, self._expected):
+                client = scope.get("client") or ("?", 0)
+                log.warning("refused a request from %s: missing or wrong bearer token", client[0])
+                await _unauthorized(send)
+                return
+        await self.app(scope, receive, send)
+
+
+async def _unauthorized(send: Send) -> None:
+    body = b'{"error": "invalid_token", "error_description": "missing or wrong bearer token"}'
+    await send(
+        {
+            "type": "http.response.start",
+            "status": 401,
+            "headers": [
+                (b"content-type", b"application/json"),
+                (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b'Bearer realm="kernelexec", error="invalid_token"'),
+            ],
+        }
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+def resolve_token(options: McpOptions) -> tuple[str, str]:
+    """The bearer token and where it came from (``--token``, the environment, generated)."""
+    if options.token:
+        return options.token, "--token"
+    from_env = os.environ.get(TOKEN_ENV)
+    if from_env:
+        return from_env, f"${TOKEN_ENV}"
+    return secrets.token_urlsafe(32), "generated"
+
+
+def serve(options: McpOptions) -> None:
+    """Run the server until its client goes away (stdio) or it is stopped (HTTP).
+
+    Raises:
+        ConfigError: an option or a ``--tools`` file is invalid (before anything starts).
+    """
+    logging.basicConfig(
+        stream=sys.stderr, level=logging.INFO, format="kernelexec mcp: %(message)s", force=True
+    )
+    for noisy in ("mcp", "uvicorn", "httpx", "httpx2"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    tools = load_tools(options.tools)
+    server = build_server(options, tools)
+    if tools:
+        log.info("tools from --tools: %s", ", ".join(t.name for t in tools))
+    if options.transport == "stdio":
+        anyio.run(_serve_stdio, server)
+    else:
+        _serve_http(server, options)
+
+
+async def _serve_stdio(server: Server[ServerState]) -> None:
+    async with anyio.create_task_group() as tg:
+
+        async def stop_on_signal() -> None:
+            with anyio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+                async for signum in signals:
+                    log.info("%s: shutting down", signal.Signals(signum).name)
+                    tg.cancel_scope.cancel()
+                    return
+
+        tg.start_soon(stop_on_signal)
+        log.info("serving MCP over stdio (pid %d)", os.getpid())
+        async with stdio_server() as (read, write):
+            await server.run(read, write, server.create_initialization_options())
+        log.info("the client closed the connection")
+        tg.cancel_scope.cancel()
+
+
+def _serve_http(server: Server[ServerState], options: McpOptions) -> None:
+    token, source = resolve_token(options)
+    if options.host not in _LOOPBACK:
+        log.warning(
+            "binding to %s: anyone who can reach this address and has the token can run code "
+            "as this user",
+            options.host,
+        )
+    app = BearerAuth(server.streamable_http_app(host=options.host), token)
+    family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((options.host, options.port))
+    host, port = sock.getsockname()[:2]
+    shown = f"[{host}]" if ":" in host else host
+    log.info(
+        "serving MCP over streamable HTTP at http://%s:%d%s (pid %d)",
+        shown,
+        port,
+        MCP_PATH,
+        os.getpid(),
+    )
+    if source == "generated":
+        log.info("bearer token (send 'Authorization: Bearer <token>'): %s", token)
+    else:
+        log.info("bearer token from %s", source)
+    config = uvicorn.Config(
+        app,
+        lifespan="on",
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=3,
+    )
+    uvicorn.Server(config).run(sockets=[sock])
