@@ -232,6 +232,7 @@ def http_server(server_tmp: Path, tools_file: Path, tmp_path: Path) -> Iterator[
         proc.stdout.close()
         proc.stderr.close()
         assert written == "", "the HTTP server wrote to stdout"
+        assert any("executor closed" in line for line in log), "".join(log)
         assert not wait_exited(kernels), "kernels outlived the HTTP server"
 
 
@@ -282,8 +283,9 @@ async def client_for(
 
 def leaves(exc: BaseException) -> list[BaseException]:
     """The exceptions inside (nested) exception groups."""
-    if isinstance(exc, BaseExceptionGroup):
-        return [leaf for inner in exc.exceptions for leaf in leaves(inner)]
+    inner = getattr(exc, "exceptions", None)
+    if isinstance(inner, tuple):
+        return [leaf for each in inner for leaf in leaves(each)]
     return [exc]
 
 
@@ -447,6 +449,19 @@ async def test_stdio_server_shuts_its_kernels_down_when_the_client_leaves(
     assert not wait_exited({pid} | kernels)
     text = log.read_text()
     assert "executor closed" in text and "shutting down" not in text, text
+
+
+@pytest.mark.slow
+async def test_stdio_server_closes_its_kernels_on_sigterm(server_tmp: Path, tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    async with stdio_session(server_tmp, errlog=log) as (client, pid):
+        await client.call_tool("run_python", {"code": "1"})
+        kernels = kernels_of(pid)
+        assert len(kernels) == 1
+        os.kill(pid, signal.SIGTERM)
+        assert not wait_exited({pid} | kernels), log.read_text()
+    text = log.read_text()
+    assert "SIGTERM: shutting down" in text and "executor closed" in text, text
 
 
 def test_bad_options_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

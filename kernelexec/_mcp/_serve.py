@@ -9,12 +9,15 @@ graceful shutdown and nothing after ``serve()`` would run.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import signal
 import socket
+import stat
 import sys
+from collections.abc import Iterator
 
 import anyio
 import uvicorn
@@ -112,10 +115,62 @@ async def _serve_stdio(server: Server[ServerState]) -> None:
 
         tg.start_soon(stop_on_signal)
         log.info("serving MCP over stdio (pid %d)", os.getpid())
-        async with stdio_server() as (read, write):
-            await server.run(read, write, server.create_initialization_options())
+        with _PipeLines.for_stdin() as stdin:
+            async with stdio_server(stdin=stdin) as (read, write):  # type: ignore[arg-type]
+                await server.run(read, write, server.create_initialization_options())
         log.info("the client closed the connection")
         tg.cancel_scope.cancel()
+
+
+class _PipeLines:
+    """stdin as async lines, read on the event loop instead of in a worker thread.
+
+    The SDK reads stdin in a thread, which no cancellation can stop: after a SIGTERM the
+    executor closed but the process stayed, blocked on a read of a pipe the client kept open.
+    """
+
+    def __init__(self, fd: int) -> None:
+        self._fd = fd
+        self._buffer = b""
+
+    @classmethod
+    @contextlib.contextmanager
+    def for_stdin(cls) -> Iterator[_PipeLines | None]:
+        """Lines of fd 0 if it is a pipe or socket (what MCP clients give), else None (the
+        SDK's own reader)."""
+        try:
+            mode = os.fstat(0).st_mode
+        except OSError:
+            mode = 0
+        if not (stat.S_ISFIFO(mode) or stat.S_ISSOCK(mode)):
+            yield None
+            return
+        was_blocking = os.get_blocking(0)
+        os.set_blocking(0, False)
+        try:
+            yield cls(0)
+        finally:
+            with contextlib.suppress(OSError):
+                os.set_blocking(0, was_blocking)
+
+    def __aiter__(self) -> _PipeLines:
+        return self
+
+    async def __anext__(self) -> str:
+        while b"\n" not in self._buffer:
+            await anyio.wait_readable(self._fd)
+            try:
+                chunk = os.read(self._fd, 1 << 16)
+            except BlockingIOError:
+                continue
+            if not chunk:
+                if not self._buffer:
+                    raise StopAsyncIteration
+                line, self._buffer = self._buffer, b""
+                return line.decode("utf-8", errors="replace")
+            self._buffer += chunk
+        line, _, self._buffer = self._buffer.partition(b"\n")
+        return line.decode("utf-8", errors="replace") + "\n"
 
 
 def _serve_http(server: Server[ServerState], options: McpOptions) -> None:
@@ -128,9 +183,12 @@ def _serve_http(server: Server[ServerState], options: McpOptions) -> None:
         )
     app = BearerAuth(server.streamable_http_app(host=options.host), token)
     family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # proto=IPPROTO_TCP: asyncio turns Nagle off only on accepted sockets whose proto says TCP,
+    # as it does for the sockets it makes itself (A/B with 4 ms handlers: no difference seen).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind((options.host, options.port))
+    sock.listen(128)  # clients that connect before uvicorn is up wait in the backlog
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     log.info(
