@@ -27,6 +27,7 @@ from typing import Any
 
 import anyio
 import httpx2
+import nbformat
 import pytest
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -158,6 +159,19 @@ def tools_file(tmp_path: Path) -> Path:
     return path
 
 
+@pytest.fixture
+def tools_notebook(tmp_path: Path) -> Path:
+    cell = nbformat.v4.new_code_cell(
+        'def shout(text: str) -> str:\n    """Shout it.\n\n    Args:\n        text: What.\n'
+        '    """\n    return text.upper()\n',
+        metadata={"tags": ["tool"]},
+    )
+    other = nbformat.v4.new_code_cell("print('not a tool')")
+    path = tmp_path / "tools.ipynb"
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell, other]), path)
+    return path
+
+
 def server_env(tmp: Path) -> dict[str, str]:
     return {
         "PATH": os.environ["PATH"],
@@ -181,7 +195,9 @@ class Server:
 
 
 @pytest.fixture
-def http_server(server_tmp: Path, tools_file: Path, tmp_path: Path) -> Iterator[Server]:
+def http_server(
+    server_tmp: Path, tools_file: Path, tools_notebook: Path, tmp_path: Path
+) -> Iterator[Server]:
     token = "test-token-" + "x" * 20
     proc = subprocess.Popen(
         [
@@ -195,6 +211,7 @@ def http_server(server_tmp: Path, tools_file: Path, tmp_path: Path) -> Iterator[
             "0",
             "--tools",
             str(tools_file),
+            str(tools_notebook),
             "--record",
             str(tmp_path / "runs"),
         ],
@@ -274,8 +291,9 @@ async def client_for(
             yield session
         return
     tools = request.getfixturevalue("tools_file")
+    notebook = request.getfixturevalue("tools_notebook")
     tmp = request.getfixturevalue("server_tmp")
-    args = ("--tools", str(tools), "--record", str(tmp_path / "runs"))
+    args = ("--tools", str(tools), "--tools", str(notebook), "--record", str(tmp_path / "runs"))
     async with stdio_session(tmp, *args, errlog=tmp_path / "server.log") as (session, pid):
         yield session
     assert not wait_exited({pid}), "the stdio server did not exit when its client left"
@@ -303,7 +321,7 @@ async def test_tools_state_tool_errors_and_images(
 ) -> None:
     async with client_for(transport, request, tmp_path) as client:
         listed = {tool.name: tool for tool in (await client.list_tools()).tools}
-        assert set(listed) == {"run_python", "list_sessions", "reset_session", "add"}
+        assert set(listed) == {"run_python", "list_sessions", "reset_session", "add", "shout"}
         run_schema = listed["run_python"].input_schema
         assert run_schema["required"] == ["code"]
         assert set(run_schema["properties"]) == {"code", "session", "timeout"}
@@ -330,6 +348,10 @@ async def test_tools_state_tool_errors_and_images(
         unknown = await client.call_tool("add", {"a": 1, "c": 3})
         assert unknown.is_error
         assert "unexpected argument 'c'" in text_of(unknown)
+        shout = await client.call_tool("shout", {"text": "hi"})
+        assert shout.structured_content["return"] == "HI"
+        no_code = await client.call_tool("run_python", {"session": "s"})
+        assert no_code.is_error and "'code' is a required property" in text_of(no_code)
 
         failing = await client.call_tool("run_python", {"code": "1/0"})
         assert failing.is_error
@@ -344,6 +366,14 @@ async def test_tools_state_tool_errors_and_images(
         assert base64.b64decode(png.data) == expected_png()
         assert image.structured_content["images"] == ["image/png"]
         assert image.structured_content["result"] == str(len(expected_png()))
+
+        slow = await client.call_tool(
+            "run_python", {"code": "import time; time.sleep(30)", "timeout": 0.5}
+        )
+        assert slow.is_error and slow.structured_content["error"]["kind"] == "timeout"
+        await client.call_tool("reset_session", {})
+        gone = await client.call_tool("run_python", {"code": "x"})
+        assert gone.structured_content["error"]["name"] == "NameError"
 
     (notebook,) = (tmp_path / "runs").glob("client-*.ipynb")
     sources = ["".join(c["source"]) for c in json.loads(notebook.read_text())["cells"]]
@@ -392,9 +422,15 @@ async def test_http_refuses_requests_without_the_token(http_server: Server) -> N
         wrong = await http.post(
             http_server.url, json=body, headers={"Authorization": "Bearer not-the-token"}
         )
+        rebound = await http.post(
+            http_server.url,
+            json=body,
+            headers={"Authorization": f"Bearer {http_server.token}", "Host": "evil.example"},
+        )
     for response in (missing, wrong):
         assert response.status_code == 401
         assert response.headers["www-authenticate"].startswith("Bearer")
+    assert rebound.status_code == 421, rebound.text  # DNS-rebinding protection
     with pytest.raises(Exception) as refused:
         async with http_client(http_server, token="wrong"):
             pass
