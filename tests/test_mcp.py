@@ -12,10 +12,12 @@ import os
 import queue
 import re
 import select
+import shutil
 import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import zlib
@@ -144,12 +146,15 @@ def leftover_dirs(tmp: Path) -> set[str]:
 
 
 @pytest.fixture
-def server_tmp(tmp_path: Path) -> Iterator[Path]:
-    """The server's TMPDIR; nothing kernelexec made may be left in it."""
-    tmp = tmp_path / "server-tmp"
-    tmp.mkdir()
-    yield tmp
-    assert not leftover_dirs(tmp), f"the server left temp dirs: {leftover_dirs(tmp)}"
+def server_tmp() -> Iterator[Path]:
+    """The server's TMPDIR; nothing kernelexec made may be left in it. Short, because kernel
+    sockets live under it and their paths must fit in 108 bytes."""
+    tmp = Path(tempfile.mkdtemp(prefix="mcp-"))
+    try:
+        yield tmp
+        assert not leftover_dirs(tmp), f"the server left temp dirs: {leftover_dirs(tmp)}"
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture
