@@ -298,7 +298,16 @@ async def client_for(
     tools = request.getfixturevalue("tools_file")
     notebook = request.getfixturevalue("tools_notebook")
     tmp = request.getfixturevalue("server_tmp")
-    args = ("--tools", str(tools), "--tools", str(notebook), "--record", str(tmp_path / "runs"))
+    args = (
+        "--tools",
+        str(tools),
+        "--tools",
+        str(notebook),
+        "--record",
+        str(tmp_path / "runs"),
+        "--timeout",
+        "30",
+    )
     async with stdio_session(tmp, *args, errlog=tmp_path / "server.log") as (session, pid):
         yield session
     assert not wait_exited({pid}), "the stdio server did not exit when its client left"
@@ -353,6 +362,8 @@ async def test_tools_state_tool_errors_and_images(
         unknown = await client.call_tool("add", {"a": 1, "c": 3})
         assert unknown.is_error
         assert "unexpected argument 'c'" in text_of(unknown)
+        with pytest.raises(MCPError, match="unknown tool 'nope'"):
+            await client.call_tool("nope", {})
         shout = await client.call_tool("shout", {"text": "hi"})
         assert shout.structured_content["return"] == "HI"
         no_code = await client.call_tool("run_python", {"session": "s"})
@@ -515,3 +526,5 @@ def test_bad_options_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["mcp", "--tools", str(clash)]) == 2
     assert "built-in tool" in capsys.readouterr().err
     assert main(["mcp", "--transport", "http", "--timeout", "0"]) == 2
+    assert main(["mcp", "--requirement=--index-url=http://127.0.0.1/"]) == 2
+    assert "is a pip option" in capsys.readouterr().err

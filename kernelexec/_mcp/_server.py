@@ -22,6 +22,7 @@ import jsonschema
 import mcp_types as types
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
+from mcp.shared.exceptions import MCPError
 
 from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._core._session import AsyncSession
@@ -148,9 +149,11 @@ def build_server(options: McpOptions, tools: list[Tool]) -> Server[ServerState]:
                 return await _reset_session(ctx, state, args.get("session"))
             tool = state.tools.get(params.name)
             if tool is None:
-                return error_result(f"unknown tool {params.name!r}")
+                # Not a tool's failure but a request for a tool that does not exist: the spec
+                # makes that a protocol error.
+                raise MCPError(types.INVALID_PARAMS, f"unknown tool {params.name!r}")
             return await _call_tool(ctx, state, tool, args)
-        except (ConfigError, TypeError, ValueError) as exc:
+        except ConfigError as exc:
             return error_result(str(exc))
         except KernelExecError as exc:
             log.warning("%s failed: %s: %s", params.name, type(exc).__name__, exc)
