@@ -30,7 +30,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def kernel_children() -> set[int]:
-    """Pids of ipykernel processes whose parent is this test process."""
+    """Pids of kernel processes (ipykernel_launcher, or the local backend's lean launcher)
+    whose parent is this test process."""
     me = str(os.getpid())
     found = set()
     for entry in Path("/proc").iterdir():
@@ -42,7 +43,7 @@ def kernel_children() -> set[int]:
         except OSError:
             continue
         ppid = stat.rsplit(")", 1)[1].split()[1]
-        if ppid == me and b"ipykernel_launcher" in cmdline:
+        if ppid == me and b"ipykernel" in cmdline:
             found.add(int(entry.name))
     return found
 

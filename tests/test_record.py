@@ -380,7 +380,7 @@ def _kernels_under(tmp: Path) -> list[int]:
                 cmdline = (entry / "cmdline").read_bytes()
             except OSError:
                 continue
-            if b"ipykernel_launcher" in cmdline and str(tmp).encode() in cmdline:
+            if b"ipykernel" in cmdline and str(tmp).encode() in cmdline:
                 found.append(int(entry.name))
     return found
 
