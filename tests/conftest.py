@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 import kernelexec as kx
+from tests.procs import children
 
 _TEMP_ROOT: str | None = None
 
@@ -32,20 +33,7 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def kernel_children() -> set[int]:
     """Pids of kernel processes (ipykernel_launcher, or the local backend's lean launcher)
     whose parent is this test process."""
-    me = str(os.getpid())
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        ppid = stat.rsplit(")", 1)[1].split()[1]
-        if ppid == me and b"ipykernel" in cmdline:
-            found.add(int(entry.name))
-    return found
+    return children(os.getpid(), b"ipykernel")
 
 
 def our_temp_dirs() -> set[str]:

@@ -38,6 +38,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
 from kernelexec._cli._main import main
+from tests.procs import children
 
 pytestmark = pytest.mark.anyio
 
@@ -92,19 +93,8 @@ def expected_png() -> bytes:
 
 
 def kernels_of(pid: int) -> set[int]:
-    """Pids of ipykernel processes whose parent is ``pid``."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        if stat.rsplit(")", 1)[1].split()[1] == str(pid) and b"ipykernel" in cmdline:
-            found.add(int(entry.name))
-    return found
+    """Pids of kernel processes whose parent is ``pid``."""
+    return children(pid, b"ipykernel")
 
 
 def wait_exited(pids: set[int], timeout: float = 15.0) -> set[int]:
@@ -126,19 +116,7 @@ def wait_exited(pids: set[int], timeout: float = 15.0) -> set[int]:
 
 def server_children() -> set[int]:
     """Pids of ``kernelexec mcp`` processes started by this test process."""
-    found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes().split(b"\0")
-        except OSError:
-            continue
-        ppid = stat.rsplit(")", 1)[1].split()[1]
-        if ppid == str(os.getpid()) and b"kernelexec" in cmdline and b"mcp" in cmdline:
-            found.add(int(entry.name))
-    return found
+    return children(os.getpid(), b"kernelexec\0", b"mcp\0")
 
 
 def leftover_dirs(tmp: Path) -> set[str]:
