@@ -504,5 +504,8 @@ def test_bad_options_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixt
     assert main(["mcp", "--tools", str(clash)]) == 2
     assert "built-in tool" in capsys.readouterr().err
     assert main(["mcp", "--transport", "http", "--timeout", "0"]) == 2
+    assert "--timeout: Input should be greater than 0" in capsys.readouterr().err
+    assert main(["mcp", "--transport", "http", "--port", "70000"]) == 2
+    assert "--port: Input should be less than or equal to 65535" in capsys.readouterr().err
     assert main(["mcp", "--requirement=--index-url=http://127.0.0.1/"]) == 2
     assert "is a pip option" in capsys.readouterr().err

@@ -339,13 +339,7 @@ def _cmd_mcp(ns: argparse.Namespace) -> int:
         ) from None
     from kernelexec._mcp._options import McpOptions
 
-    if ns.timeout is not None and ns.timeout <= 0:
-        raise UsageError(f"--timeout must be positive, got {ns.timeout:g}")
-    if not 0 <= ns.port <= 65535:
-        raise UsageError(f"--port must be between 0 and 65535, got {ns.port}")
-    if ns.token == "":
-        raise UsageError("--token must not be empty")
-    options = McpOptions(
+    options = McpOptions.from_flags(
         tools=tuple(ns.tools),
         transport=ns.transport,
         host=ns.host,

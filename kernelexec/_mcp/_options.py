@@ -6,7 +6,7 @@ import ast
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from kernelexec._config import ExecutorConfig
 from kernelexec._envs._envs import VenvEnv
@@ -15,6 +15,7 @@ from kernelexec._tools._tool import Tool
 
 BUILTIN_TOOLS = ("run_python", "list_sessions", "reset_session")
 TOKEN_ENV = "KERNELEXEC_MCP_TOKEN"
+_FLAGS = {"record_dir": "record", "requirements": "requirement"}  # field -> flag, where they differ
 
 
 class McpOptions(BaseModel):
@@ -40,11 +41,27 @@ class McpOptions(BaseModel):
     transport: Literal["stdio", "http"] = "stdio"
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
-    token: str | None = None
+    token: str | None = Field(None, min_length=1)
     record_dir: str | None = None
     isolation: str | None = None
     requirements: tuple[str, ...] = ()
     timeout: float | None = Field(None, gt=0)
+
+    @classmethod
+    def from_flags(cls, **flags: Any) -> McpOptions:
+        """Options from the command line's values.
+
+        Raises:
+            ConfigError: a value is out of range, naming the flag.
+        """
+        try:
+            return cls(**flags)
+        except ValidationError as exc:
+            problems = "; ".join(
+                f"--{_FLAGS.get(str(e['loc'][0]), str(e['loc'][0]))}: {e['msg']}"
+                for e in exc.errors()
+            )
+            raise ConfigError(problems) from None
 
     def executor_config(self) -> dict[str, Any]:
         """Keyword arguments for the server's :class:`~kernelexec.AsyncKernelExecutor`.
