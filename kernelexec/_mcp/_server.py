@@ -317,7 +317,7 @@ def _list_sessions(ctx: Context, state: ServerState) -> types.CallToolResult:
             }
         )
     lines = [
-        f"{r['session']}: kernel {'alive' if r['kernel_alive'] else 'not started'}, "
+        f"{r['session']}: {'kernel alive' if r['kernel_alive'] else 'no kernel'}, "
         f"{r['runs']} run(s), {r['clients']} client(s)"
         + (", busy" if r["busy"] else "")
         + (f", last: {r['last_outcome']}" if r["last_outcome"] else "")
