@@ -72,17 +72,19 @@ class SessionRegistry:
         return [e for e in self._entries.values() if e.shared or user in e.users]
 
     async def release(self, user: str) -> None:
-        """``user`` went away: close each session no other connection uses."""
+        """``user`` went away: close each session no other connection uses (at once: a stdio
+        client kills the server 2 s after it closes stdin)."""
+        closing: list[AsyncSession] = []
         for agent_id, entry in list(self._entries.items()):
             if user not in entry.users:
                 continue
             entry.users.discard(user)
-            if entry.users:
-                continue
-            del self._entries[agent_id]
-            for session in entry.sessions:
-                await session.aclose()
-            log.info("closed session %s", agent_id)
+            if not entry.users:
+                del self._entries[agent_id]
+                closing.extend(entry.sessions)
+        await asyncio.gather(*(session.aclose() for session in closing))
+        if closing:
+            log.info("closed %d session(s) of connection %s", len(closing), user)
 
 
 class ClientConnection:
