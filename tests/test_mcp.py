@@ -407,6 +407,15 @@ async def test_cancel_interrupts_the_kernel_and_keeps_state(
         assert "KeyboardInterrupt" in row["last_cancelled"]
         assert "last cancelled: cancelled by the client" in text_of(sessions)
 
+    # The recording says so too: the cancelled run is a cell that ended in KeyboardInterrupt.
+    (notebook,) = (tmp_path / "runs").glob("client-*.ipynb")
+    cells = json.loads(notebook.read_text())["cells"]
+    (cancelled,) = [c for c in cells if "time.sleep(600)" in "".join(c["source"])]
+    assert cancelled["metadata"]["kernelexec"]["status"] == "error"
+    assert [o.get("ename") for o in cancelled["outputs"] if o["output_type"] == "error"] == [
+        "KeyboardInterrupt"
+    ]
+
 
 @pytest.mark.slow
 async def test_http_refuses_requests_without_the_token(http_server: Server) -> None:
