@@ -14,6 +14,7 @@ import re
 import select
 import shutil
 import signal
+import socket
 import struct
 import subprocess
 import sys
@@ -516,5 +517,11 @@ def test_bad_options_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixt
     assert "--timeout: Input should be greater than 0" in capsys.readouterr().err
     assert main(["mcp", "--transport", "http", "--port", "70000"]) == 2
     assert "--port: Input should be less than or equal to 65535" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = str(taken.getsockname()[1])
+        assert main(["mcp", "--transport", "http", "--port", port]) == 2
+    assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
     assert main(["mcp", "--requirement=--index-url=http://127.0.0.1/"]) == 2
     assert "is a pip option" in capsys.readouterr().err

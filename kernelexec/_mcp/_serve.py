@@ -25,6 +25,7 @@ from mcp.server.lowlevel import Server
 from mcp.server.stdio import stdio_server
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from kernelexec._exceptions import ConfigError
 from kernelexec._mcp._options import TOKEN_ENV, McpOptions, load_tools
 from kernelexec._mcp._server import ServerState, build_server
 
@@ -88,19 +89,21 @@ def serve(options: McpOptions) -> None:
     Raises:
         ConfigError: an option or a ``--tools`` file is invalid (before anything starts).
     """
+    tools = load_tools(options.tools)
+    server = build_server(options, tools)
+    sock = _listen(options) if options.transport == "http" else None
+    # Only now, past every check of the options, does this process become the server.
     logging.basicConfig(
         stream=sys.stderr, level=logging.INFO, format="kernelexec mcp: %(message)s", force=True
     )
     for noisy in ("mcp", "uvicorn", "httpx", "httpx2"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    tools = load_tools(options.tools)
-    server = build_server(options, tools)
     if tools:
         log.info("tools from --tools: %s", ", ".join(t.name for t in tools))
-    if options.transport == "stdio":
+    if sock is None:
         anyio.run(_serve_stdio, server)
     else:
-        _serve_http(server, options)
+        _serve_http(server, options, sock)
 
 
 async def _serve_stdio(server: Server[ServerState]) -> None:
@@ -173,7 +176,29 @@ class _PipeLines:
         return line.decode("utf-8", errors="replace") + "\n"
 
 
-def _serve_http(server: Server[ServerState], options: McpOptions) -> None:
+def _listen(options: McpOptions) -> socket.socket:
+    """A listening socket at ``--host``/``--port``.
+
+    Raises:
+        ConfigError: the address cannot be bound (in use, not local, ...).
+    """
+    family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
+    # proto=IPPROTO_TCP: asyncio turns Nagle off only on accepted sockets whose proto says TCP,
+    # as it does for the sockets it makes itself (A/B with 4 ms handlers: no difference seen).
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((options.host, options.port))
+    except OSError as exc:
+        sock.close()
+        raise ConfigError(
+            f"--host/--port: cannot listen on {options.host}:{options.port}: {exc.strerror}"
+        ) from None
+    sock.listen(128)  # clients that connect before uvicorn is up wait in the backlog
+    return sock
+
+
+def _serve_http(server: Server[ServerState], options: McpOptions, sock: socket.socket) -> None:
     token, source = resolve_token(options)
     if options.host not in _LOOPBACK:
         log.warning(
@@ -182,13 +207,6 @@ def _serve_http(server: Server[ServerState], options: McpOptions) -> None:
             options.host,
         )
     app = BearerAuth(server.streamable_http_app(host=options.host), token)
-    family = socket.AF_INET6 if ":" in options.host else socket.AF_INET
-    # proto=IPPROTO_TCP: asyncio turns Nagle off only on accepted sockets whose proto says TCP,
-    # as it does for the sockets it makes itself (A/B with 4 ms handlers: no difference seen).
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((options.host, options.port))
-    sock.listen(128)  # clients that connect before uvicorn is up wait in the backlog
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     log.info(

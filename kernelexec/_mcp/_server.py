@@ -24,6 +24,7 @@ from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
 
+from kernelexec._config import make_config
 from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._core._session import AsyncSession
 from kernelexec._envs._envs import VenvEnv
@@ -116,6 +117,7 @@ def build_server(options: McpOptions, tools: list[Tool]) -> Server[ServerState]:
         for t in tools
     ]
     executor_config = options.executor_config()
+    make_config(**executor_config)  # a bad value is refused now, not when the first client comes
 
     @asynccontextmanager
     async def lifespan(_: Server[ServerState]) -> AsyncIterator[ServerState]:
