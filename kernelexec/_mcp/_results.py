@@ -165,13 +165,12 @@ def _json_text(value: Any) -> str:
     return json.dumps(value, ensure_ascii=False, indent=2)
 
 
-def error_result(message: str) -> types.CallToolResult:
-    """A tool error (``isError``) with ``message``, for requests refused before running."""
+def error_result(message: str, kind: str = "invalid_args") -> types.CallToolResult:
+    """A tool error (``isError``) with ``message``, for a call refused before it ran:
+    ``invalid_args`` (the request was wrong) or ``unavailable`` (no kernel could take it:
+    it failed to start, the pool is exhausted, the server is closing)."""
     return types.CallToolResult(
         content=[types.TextContent(type="text", text=message)],
-        structured_content={
-            "status": "error",
-            "error": {"kind": "invalid_args", "message": message},
-        },
+        structured_content={"status": "error", "error": {"kind": kind, "message": message}},
         is_error=True,
     )

@@ -159,7 +159,7 @@ def build_server(options: McpOptions, tools: list[Tool]) -> Server[ServerState]:
             return error_result(str(exc))
         except KernelExecError as exc:
             log.warning("%s failed: %s: %s", params.name, type(exc).__name__, exc)
-            return error_result(f"{type(exc).__name__}: {exc}")
+            return error_result(f"{type(exc).__name__}: {exc}", kind="unavailable")
 
     return Server(
         "kernelexec",
