@@ -287,7 +287,13 @@ async def _call(
 ) -> ToolResult:
     """One run, on the executor's loop."""
     if recreate and isinstance(env, VenvEnv):
-        await _recreate(executor, env, agent)
+        try:
+            await _recreate(executor, env, agent)
+        except EnvSetupError as exc:
+            reqs = ", ".join(env.requirements)
+            raise EnvSetupError(
+                f"Failed to install pip requirements for tool {letta_tool.name!r} ({reqs}): {exc}"
+            ) from None
     return await executor.call_tool(
         letta_tool.tool,
         call_args,
@@ -307,6 +313,7 @@ async def _recreate(executor: AsyncKernelExecutor, env: VenvEnv, agent: str) -> 
         stale = target.with_name(f".stale-{target.name}-{uuid.uuid4().hex[:8]}")
         os.rename(target, stale)
         shutil.rmtree(stale, ignore_errors=True)
+    await executor.builder.ensure(env)  # the pool of this env exists already: it will not
     session = await executor.session(agent, env)
     if session.has_kernel:
         await session.restart()
