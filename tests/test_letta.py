@@ -420,3 +420,24 @@ async def test_requirements_that_cannot_be_installed_raise_runtime_error(
         await run(tools.use_broken_package, sandbox_config=config, pip_requirements=broken)
     assert isinstance(info.value, kx.EnvSetupError)
     assert "use_broken_package" in str(info.value) and "kxbroken" in str(info.value)
+
+
+async def test_bad_argument_values_fail_the_run(executor: None) -> None:
+    result, _ = await run(tools.add, {"x": "ten", "y": 1})
+    assert result.status == "error"
+    assert result.func_return.startswith(
+        "Error executing function add: ValueError: invalid literal"
+    )
+
+
+async def test_runs_are_recorded_when_configured(executor: None, tmp_path: Path) -> None:
+    letta.configure(env_vars={"PYTHONPATH": ROOT}, record_dir=str(tmp_path))
+    try:
+        result, _ = await run(tools.add, {"x": 1, "y": 2}, agent_id="agent-rec")
+        assert result.func_return == 3
+    finally:
+        letta.configure(env_vars={"PYTHONPATH": ROOT})
+    cells = json.loads((tmp_path / "agent-rec.ipynb").read_text())["cells"]
+    call = "".join(cells[-1]["source"])
+    assert call.startswith("_kx_letta_add(args={'x': 1, 'y': 2}")
+    assert cells[-1]["metadata"]["kernelexec"]["func_return"] == 3
