@@ -164,11 +164,17 @@ class Tool(BaseModel):
             return None  # reported by the kernel when the tool is called (invalid_tool)
 
     def _find_agent_state(self) -> bool:
+        return "agent_state" in self.parameter_names
+
+    @property
+    def parameter_names(self) -> tuple[str, ...]:
+        """The function's parameter names as its source declares them (none when the source
+        does not parse or lacks the function)."""
         node = self._node()
         if node is None:
-            return False
+            return ()
         a = node.args
-        return any(p.arg == "agent_state" for p in [*a.posonlyargs, *a.args, *a.kwonlyargs])
+        return tuple(p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs])
 
     @property
     def parameters_schema(self) -> dict[str, Any]:

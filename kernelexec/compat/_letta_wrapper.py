@@ -94,7 +94,8 @@ def _parameters(json_schema: Any) -> dict[str, Any]:
 @functools.lru_cache(maxsize=512)
 def _build(name: str, source: str, types_json: str) -> LettaTool:
     types: dict[str, Any] = json.loads(types_json)
-    params, is_async = _signature(source, name)
+    parsed = Tool(name=name, source_code=source, json_schema={})  # for its signature only
+    params, is_async = parsed.parameter_names, parsed.is_async
     inject_state = "agent_state" in params
     inject_id = "agent_id" in params and "agent_id" not in types
     wrapper = WRAPPER_PREFIX + name
@@ -129,21 +130,6 @@ def _build(name: str, source: str, types_json: str) -> LettaTool:
     }
     tool = Tool(name=wrapper, source_code=text + "\n", json_schema=schema)
     return LettaTool(name, tool, inject_state, inject_id, is_async)
-
-
-def _signature(source: str, name: str) -> tuple[set[str], bool]:
-    """The function's parameter names and whether it is async; nothing when the source does
-    not parse (the kernel then reports the syntax error as the run's error)."""
-    try:
-        tree = ast.parse(source)
-    except SyntaxError:
-        return set(), False
-    for node in ast.walk(tree):
-        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef) and node.name == name:
-            a = node.args
-            names = {p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs]}
-            return names, isinstance(node, ast.AsyncFunctionDef)
-    return set(), False
 
 
 @functools.cache

@@ -37,7 +37,11 @@ class ExecutorThread:
         )
         self._thread.start()
         self._closed = False
-        self.executor: AsyncKernelExecutor = self._call(self._open, config).result()
+        try:
+            self.executor: AsyncKernelExecutor = self._call(self._open, config).result()
+        except BaseException:
+            self._stop()
+            raise
 
     @staticmethod
     async def _open(config: dict[str, Any]) -> AsyncKernelExecutor:
@@ -65,9 +69,12 @@ class ExecutorThread:
             self._call(self.executor.aclose).result()
         finally:
             self._call(_cancel_the_rest).result()
-            self._loop.call_soon_threadsafe(self._loop.stop)
-            self._thread.join()
-            self._loop.close()
+            self._stop()
+
+    def _stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
 
 
 async def _cancel_the_rest() -> None:

@@ -21,6 +21,7 @@ attributes. The README lists what differs from Letta's sandbox on purpose.
 from __future__ import annotations
 
 import atexit
+import functools
 import os
 import re
 import shutil
@@ -267,11 +268,18 @@ class AsyncToolSandboxKernel:
             for r in getattr(self.tool, "pip_requirements", None) or []
         ]
         try:
-            return VenvEnv(requirements=tuple(lines))
+            return _venv(tuple(lines))
         except ValueError as exc:
             raise EnvSetupError(
                 f"Failed to install pip requirements for tool {name!r} ({', '.join(lines)}): {exc}"
             ) from None
+
+
+@functools.lru_cache(maxsize=64)
+def _venv(lines: tuple[str, ...]) -> VenvEnv:
+    """One ``VenvEnv`` per set of requirement lines: parsed and fingerprinted (local files
+    hashed) once, as the executor does for tools' own requirements."""
+    return VenvEnv(requirements=lines)
 
 
 async def _call(
