@@ -279,3 +279,16 @@ def use_broken_package() -> str:
     import kxbroken
 
     return kxbroken.__name__
+
+
+def wait_for_ever(marker: str) -> None:
+    """Say it started (into the FIFO ``marker``), then sleep until stopped.
+
+    Args:
+        marker: A named pipe the test reads.
+    """
+    import time
+
+    with open(marker, "w") as fifo:
+        fifo.write("started")
+    time.sleep(3600)

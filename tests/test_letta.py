@@ -441,3 +441,15 @@ async def test_runs_are_recorded_when_configured(executor: None, tmp_path: Path)
     call = "".join(cells[-1]["source"])
     assert call.startswith("_kx_letta_add(args={'x': 1, 'y': 2}")
     assert cells[-1]["metadata"]["kernelexec"]["func_return"] == 3
+
+
+async def test_shutdown_during_a_run_fails_that_run_clearly(executor: None, tmp_path: Path) -> None:
+    marker = tmp_path / "started"
+    os.mkfifo(marker)
+    call = asyncio.ensure_future(
+        run(tools.wait_for_ever, {"marker": str(marker)}, agent_id="agent-shutdown")
+    )
+    assert await asyncio.to_thread(marker.read_text) == "started"  # the tool runs now
+    await asyncio.to_thread(letta.shutdown)
+    with pytest.raises(kx.ExecutorClosedError):
+        await call

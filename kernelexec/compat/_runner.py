@@ -58,7 +58,14 @@ class ExecutorThread:
         """Run ``fn(*args)`` on the executor's loop; await it from any loop."""
         if self._closed:
             raise ExecutorClosedError("the Letta sandbox executor is shut down")
-        return await asyncio.wrap_future(self._call(fn, *args))
+        try:
+            return await asyncio.wrap_future(self._call(fn, *args))
+        except asyncio.CancelledError:
+            if self._closed:  # shutdown() cancelled the call, not the caller's own task
+                raise ExecutorClosedError(
+                    "the Letta sandbox executor was shut down during the run"
+                ) from None
+            raise
 
     def close(self) -> None:
         """Shut every kernel down and stop the thread (blocking; idempotent)."""
