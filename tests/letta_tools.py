@@ -292,3 +292,10 @@ def wait_for_ever(marker: str) -> None:
     with open(marker, "w") as fifo:
         fifo.write("started")
     time.sleep(3600)
+
+
+def where_am_i() -> str:
+    """The working directory."""
+    import os
+
+    return os.getcwd()

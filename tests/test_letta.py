@@ -289,6 +289,9 @@ async def test_sandbox_dir_is_the_working_directory_and_config_fingerprint(
     assert result.sandbox_config_fingerprint == letta_fingerprint(
         "local", USER.organization_id, config.config
     )
+    default, _ = await run(tools.where_am_i, agent_id="agent-dir")  # no config: its own dir
+    assert default.func_return != str(tmp_path)
+    assert Path(default.func_return).name == "agent-dir"
 
 
 async def test_callers_on_different_event_loops_share_the_executor(executor: None) -> None:

@@ -84,7 +84,9 @@ def read_sandbox_config(sandbox_config: Any, user: Any) -> LocalConfig:
     sandbox_dir = config.get("sandbox_dir")
     if sandbox_dir is not None and not isinstance(sandbox_dir, str):
         raise ConfigError(f"sandbox_config sandbox_dir must be a str, not {sandbox_dir!r}")
-    reqs = tuple(requirement_line(r, "sandbox_config pip_requirements") for r in _list(config))
+    reqs = tuple(
+        requirement_line(r, "sandbox_config pip_requirements") for r in _config_requirements(config)
+    )
     return LocalConfig(
         sandbox_dir=os.path.abspath(os.path.expanduser(sandbox_dir)) if sandbox_dir else None,
         use_venv=bool(config.get("use_venv", False)),
@@ -93,7 +95,7 @@ def read_sandbox_config(sandbox_config: Any, user: Any) -> LocalConfig:
     )
 
 
-def _list(config: dict[str, Any]) -> list[Any]:
+def _config_requirements(config: dict[str, Any]) -> list[Any]:
     reqs = config.get("pip_requirements") or []
     if not isinstance(reqs, list | tuple):
         raise ConfigError(f"sandbox_config pip_requirements must be a list, not {reqs!r}")
