@@ -12,6 +12,7 @@ What it does inside the kernel:
   (``OUTPUTS_PAYLOAD``), so the host can tell when the transport dropped some;
 * keeps no output history (IPython 9 would keep every printed byte for the kernel's lifetime);
 * runs tool calls whose arguments arrive as JSON in the request's metadata, never as code;
+* awaits ``async def`` tools on the kernel's own event loop, so that an interrupt stops them;
 * converts return values to JSON (see :func:`to_jsonable` for the rules) and hands them back
   through ``user_expressions`` in the execute reply, a channel the tool's own prints and displays
   cannot write to;
