@@ -260,8 +260,8 @@ async def test_state_persists_per_agent(executor: None) -> None:
 async def test_slow_tool_times_out_and_keeps_the_agents_state(
     executor: None, monkeypatch: pytest.MonkeyPatch, fn: Any, name: str
 ) -> None:
-    monkeypatch.setenv(letta.TOOL_SANDBOX_TIMEOUT, "1")
-    with pytest.raises(TimeoutError, match=f"Executing tool {name} timed out after 1.0 seconds"):
+    monkeypatch.setenv(letta.TOOL_SANDBOX_TIMEOUT, "2")
+    with pytest.raises(TimeoutError, match=f"Executing tool {name} timed out after 2.0 seconds"):
         await run(fn, {"seconds": 60}, agent_id="agent-slow")
     monkeypatch.delenv(letta.TOOL_SANDBOX_TIMEOUT)
     survivors, _ = await run(tools.read_survivors, agent_id="agent-slow")
