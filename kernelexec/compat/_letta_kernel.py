@@ -16,17 +16,21 @@ from typing import Any
 
 _kx_letta_wrapper_cls: list[Any] = []
 
+# The session's own directory: where the kernel was when the first Letta tool was defined in it
+# (this text runs again with every tool; the first value stays).
+_kx_letta_home: str = globals().get("_kx_letta_home") or os.getcwd()
+
 
 def _kx_letta_enter(sandbox_dir: str | None) -> None:
-    """Run in ``sandbox_dir`` with it first on ``sys.path``, as Letta's script file there does."""
-    if not sandbox_dir:
-        return
-    os.makedirs(sandbox_dir, exist_ok=True)
-    os.chdir(sandbox_dir)
-    if not sys.path or sys.path[0] != sandbox_dir:
-        if sandbox_dir in sys.path:
-            sys.path.remove(sandbox_dir)
-        sys.path.insert(0, sandbox_dir)
+    """Run in ``sandbox_dir`` (else the session's own directory) with it first on
+    ``sys.path``, as Letta's script file there would be."""
+    target = sandbox_dir or _kx_letta_home
+    os.makedirs(target, exist_ok=True)
+    os.chdir(target)
+    if not sys.path or sys.path[0] != target:
+        if target in sys.path:
+            sys.path.remove(target)
+        sys.path.insert(0, target)
 
 
 def _kx_letta_client() -> Any:

@@ -293,11 +293,7 @@ async def _call(
     timeout: float,
     recreate: bool,
 ) -> ToolResult:
-    """One run, on the executor's loop.
-
-    Without a ``sandbox_dir`` the run happens in the session's own directory, so a kernel that
-    ran in another config's directory before does not stay there.
-    """
+    """One run, on the executor's loop."""
     if recreate and isinstance(env, VenvEnv):
         try:
             await _recreate(executor, env, agent)
@@ -306,12 +302,11 @@ async def _call(
             raise EnvSetupError(
                 f"Failed to install pip requirements for tool {letta_tool.name!r} ({reqs}): {exc}"
             ) from None
-    session = await executor.session(agent, env)
-    if call_args["sandbox_dir"] is None:
-        call_args = {**call_args, "sandbox_dir": str(session.workdir)}
-    return await session.call_tool(
+    return await executor.call_tool(
         letta_tool.tool,
         call_args,
+        agent_id=agent,
+        env=env,
         agent_state=agent_state,
         env_vars=env_vars,
         timeout=timeout,
