@@ -444,6 +444,8 @@ async def test_runs_are_recorded_when_configured(executor: None, tmp_path: Path)
     call = "".join(cells[-1]["source"])
     assert call.startswith("_kx_letta_add(args={'x': 1, 'y': 2}")
     assert cells[-1]["metadata"]["kernelexec"]["func_return"] == 3
+    report = await kx.areplay(tmp_path / "agent-rec.ipynb")
+    assert report.cells_run == 2 and report.differences == []
 
 
 async def test_shutdown_during_a_run_fails_that_run_clearly(executor: None, tmp_path: Path) -> None:
