@@ -8,7 +8,7 @@ variables, and (second row) an agent state the tool edits. Rows are interleaved 
 one run, on this machine. Prints a table and writes JSON (default
 ``benchmarks/results/letta.json``).
 
-    python benchmarks/letta.py            # 10 rounds (about 30 s)
+    python benchmarks/letta.py            # 10 rounds (10-40 s)
     python benchmarks/letta.py --quick    # a smoke run
 """
 
