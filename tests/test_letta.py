@@ -11,6 +11,7 @@ import os
 import threading
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -458,3 +459,11 @@ async def test_shutdown_during_a_run_fails_that_run_clearly(executor: None, tmp_
     await asyncio.to_thread(letta.shutdown)
     with pytest.raises(kx.ExecutorClosedError):
         await call
+
+
+async def test_agent_secrets_are_read_from_a_plain_object(executor: None) -> None:
+    # Duck-typed: an id and a `secrets` list of key/value items, no Letta class, no method.
+    plain = SimpleNamespace(id="agent-plain", secrets=[{"key": "secret_word", "value": "plain"}])
+    result, _ = await run(tools.get_env, agent_state=plain)  # type: ignore[arg-type]
+    assert result.func_return == "plain"
+    assert result.agent_state is None
