@@ -87,8 +87,8 @@ class Tool(BaseModel):
 
         Raises:
             ToolDefinitionError: the source does not parse, the function is missing or
-                ambiguous, or it is a generator function (``yield``; sync or async): a tool
-                returns its result, it does not stream it.
+                ambiguous, has positional-only parameters, or is a generator function
+                (``yield``; sync or async): a tool returns its result, it does not stream it.
         """
         functions = _parse_functions(source)
         if name is None:
