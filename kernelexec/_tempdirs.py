@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -25,11 +26,19 @@ _swept = False
 
 
 def _start_time(pid: int) -> str:
-    """The process's start time as text (seconds since the epoch), or '' if it is gone."""
+    """A token for when the process started, or '' if it is gone.
+
+    On Linux it is the start time in clock ticks since boot: the token earlier kernelexec
+    versions wrote (from ``/proc``), so that two versions on one machine agree on which owners
+    are alive and never sweep each other's live directories.
+    """
     try:
-        return repr(psutil.Process(pid).create_time())
+        created = psutil.Process(pid).create_time()
     except (psutil.Error, OSError):
         return ""
+    if sys.platform.startswith("linux"):
+        return str(round((created - psutil.boot_time()) * os.sysconf("SC_CLK_TCK")))
+    return repr(created)
 
 
 def _alive(pid: int, start: str) -> bool:

@@ -17,6 +17,7 @@ import nbformat
 from nbformat import NotebookNode
 
 from kernelexec._exceptions import NotebookError
+from kernelexec._json import int_text, parse_int
 
 KEY = "kernelexec"
 """The metadata key (cell and notebook) under which kernelexec keeps what it recorded."""
@@ -47,16 +48,20 @@ def python_literal(value: Any) -> str:
         return "{" + items + "}"
     if isinstance(value, list | tuple):
         return "[" + ", ".join(python_literal(v) for v in value) + "]"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int_text(value)
     return repr(value)
 
 
-def call_source(name: str, args: dict[str, Any]) -> str:
-    """The Python call ``name(a=1, b='x')`` for JSON ``args``."""
+def call_source(name: str, args: dict[str, Any], *, awaited: bool = False) -> str:
+    """The Python call ``name(a=1, b='x')`` for JSON ``args``; ``await name(...)`` when
+    ``awaited`` (an ``async def`` tool: IPython runs top-level await on the kernel's loop)."""
     if all(k.isidentifier() and not keyword.iskeyword(k) for k in args):
         inner = ", ".join(f"{k}={python_literal(v)}" for k, v in args.items())
     else:
         inner = f"**{python_literal(args)}"
-    return f"{name}({inner})"
+    call = f"{name}({inner})"
+    return f"await {call}" if awaited else call
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -83,7 +88,8 @@ def write_atomic(path: Path, text: str) -> None:
 def read_notebook(path: str | Path) -> NotebookNode:
     """Read and validate a notebook, raising :class:`NotebookError` with the reason."""
     try:
-        nb = nbformat.read(str(path), as_version=4)
+        # parse_int: a recorded integer may be longer than this process's digit limit.
+        nb = nbformat.read(str(path), as_version=4, parse_int=parse_int)
     except FileNotFoundError:
         raise NotebookError(f"{path}: no such file") from None
     except Exception as exc:

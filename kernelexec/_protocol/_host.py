@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel
 
+from kernelexec import _json
 from kernelexec._models import ErrorKind, ExecError
 from kernelexec._protocol import _kernel_side as kernel_side
 from kernelexec._tools._tool import Tool
@@ -120,11 +121,15 @@ def tool_call_request(
     max_result_chars: int,
     display: bool,
 ) -> ExecuteRequest:
-    """A tool call: the arguments travel as JSON in the metadata, never as code."""
+    """A tool call: the arguments travel as JSON in the metadata, never as code.
+
+    An ``async def`` tool is awaited by the cell itself (``await ...acall()``), so it runs on
+    the kernel's own event loop.
+    """
     spec: dict[str, Any] = {
         "name": tool.name,
         "digest": tool.digest,
-        "args": json.dumps(args, ensure_ascii=False),
+        "args": _json.dumps(args, ensure_ascii=False),
         "env": dict(env_vars or {}),
         "max_result_chars": max_result_chars,
         "source": tool.source_code,
@@ -134,7 +139,7 @@ def tool_call_request(
     if display:
         spec["display"] = True
     return ExecuteRequest(
-        code=f"{_MODULE}.call()",
+        code=f"await {_MODULE}.acall()" if tool.is_async else f"{_MODULE}.call()",
         user_expressions=_REPORT,
         metadata={kernel_side.METADATA_KEY: spec},
     )
@@ -160,8 +165,8 @@ def read_report(reply: dict[str, Any]) -> Report | None:
     if not isinstance(text, str):
         return None
     try:
-        data = json.loads(text)
-    except ValueError:
+        data = _json.loads(text)
+    except (ValueError, RecursionError):
         return None
     if not isinstance(data, dict):
         return None
@@ -191,14 +196,45 @@ def failure_kind(reply: dict[str, Any]) -> ErrorKind:
     return "exception"
 
 
+INVALID_ARGUMENTS = "InvalidArguments"
+"""The ``ename`` of every ``invalid_args`` error, whether the host's schema check or the
+kernel's signature check found the problem."""
+
+
 def error_from(content: dict[str, Any], kind: ErrorKind) -> ExecError:
-    """An :class:`ExecError` from an ``error`` output or an error ``execute_reply``."""
+    """An :class:`ExecError` from an ``error`` output or an error ``execute_reply``.
+
+    An ``invalid_args`` error found in the kernel looks like one the host found: the same
+    ``ename`` and no traceback (it would only show kernelexec's own frames).
+    """
+    if kind == kernel_side.INVALID_ARGS:
+        return ExecError(kind=kind, ename=INVALID_ARGUMENTS, evalue=str(content.get("evalue", "")))
     return ExecError(
         kind=kind,
         ename=str(content.get("ename", "Error")),
         evalue=str(content.get("evalue", "")),
         traceback=[str(t) for t in content.get("traceback") or []],
     )
+
+
+@dataclass(frozen=True, slots=True)
+class OutputCount:
+    """What the kernel side says a run's output was: messages sent, outputs suppressed because
+    the budget was spent, and the budget."""
+
+    sent: int
+    suppressed: int
+    limit: int
+
+
+def output_count(reply: dict[str, Any]) -> OutputCount | None:
+    """The kernel side's count of the run's output messages, from its reply (None: no count)."""
+    for payload in _payloads(reply):
+        if payload.get("source") == kernel_side.OUTPUTS_PAYLOAD:
+            values = [payload.get(k) for k in ("sent", "suppressed", "limit")]
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                return OutputCount(*cast(list[int], values))
+    return None
 
 
 def _payloads(reply: dict[str, Any]) -> list[dict[str, Any]]:
