@@ -505,8 +505,8 @@ async def test_stdio_server_closes_its_kernels_on_sigterm(server_tmp: Path, tmp_
 
 
 def test_bad_options_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["mcp", "--isolation", "bwrap"]) == 2
-    assert "--isolation 'bwrap' is not available" in capsys.readouterr().err
+    assert main(["mcp", "--isolation", "vm"]) == 2
+    assert "isolation: Input should be 'none', 'process' or 'bwrap'" in capsys.readouterr().err
     assert main(["mcp", "--tools", str(tmp_path / "missing.py")]) == 2
     assert "missing.py: cannot read it" in capsys.readouterr().err
     clash = tmp_path / "clash.py"

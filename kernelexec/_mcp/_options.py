@@ -8,7 +8,6 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kernelexec._config import ExecutorConfig
 from kernelexec._envs._envs import VenvEnv
 from kernelexec._exceptions import ConfigError
 from kernelexec._tools._tool import Tool
@@ -30,7 +29,8 @@ class McpOptions(BaseModel):
         port: Port of the HTTP server (0: any free port, printed at start).
         token: Bearer token HTTP clients must send (None: generated and printed at start).
         record_dir: Record every session as a notebook in this directory.
-        isolation: Isolation level of the kernels (``"none"`` where no other level exists).
+        isolation: Isolation level of the kernels (``"none"``, ``"process"``, ``"bwrap"``;
+            None: the backend's default).
         requirements: Run the kernels in a virtual environment with these requirements.
         timeout: Default seconds a run may take before the kernel is interrupted.
     """
@@ -80,15 +80,7 @@ class McpOptions(BaseModel):
             except ValueError as exc:
                 raise ConfigError(f"bad requirement: {exc}") from None
         if self.isolation is not None:
-            if "isolation" in ExecutorConfig.model_fields:
-                config["isolation"] = self.isolation
-            elif self.isolation != "none":
-                # Isolation levels arrive with the sandboxing work; until then a kernel is a
-                # plain process of the host user, and saying otherwise would be a lie.
-                raise ConfigError(
-                    f"--isolation {self.isolation!r} is not available in this version of "
-                    "kernelexec (available: 'none')"
-                )
+            config["isolation"] = self.isolation
         return config
 
 
