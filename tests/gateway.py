@@ -1,0 +1,178 @@
+"""A real Jupyter Kernel Gateway on 127.0.0.1 for tests and benchmarks, started and stopped here.
+
+The gateway runs from the test venv (``jupyter-kernel-gateway`` is in the dev extra) with a
+random port, a random token, ``port_retries=0`` (it never moves to another port silently), in its
+own process group, and with a private ``JUPYTER_PATH`` whose ``python3`` kernelspec starts
+ipykernel with the same flags and lean launcher as the local backend, so the two compare fairly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from kernelexec.backends._local import _KERNEL_FLAGS, _LEAN_LAUNCHER
+
+SECRET = "GW_TEST_SECRET"
+"""A variable set in the gateway's own environment; no kernel may see it."""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Gateway:
+    """One jupyter-kernel-gateway process and its private directory.
+
+    Args:
+        rate_limit: ``iopub_data_rate_limit`` in bytes/s (0: off, as recommended).
+        env_whitelist: Variables a client may pass to kernels (``KG_ENV_WHITELIST``).
+        max_kernels: The gateway's kernel limit (None: unlimited).
+    """
+
+    def __init__(
+        self,
+        *,
+        rate_limit: int = 0,
+        env_whitelist: tuple[str, ...] = (),
+        max_kernels: int | None = None,
+    ) -> None:
+        self.root = Path(tempfile.mkdtemp(prefix="kxgw-"))
+        self.work = self.root / "work"
+        self.work.mkdir()
+        self.token = secrets.token_hex(16)
+        self.port = free_port()
+        self.rate_limit = rate_limit
+        self.env_whitelist = env_whitelist
+        self.max_kernels = max_kernels
+        self.proc: subprocess.Popen[bytes] | None = None
+        spec_dir = self.root / "share" / "jupyter" / "kernels" / "python3"
+        spec_dir.mkdir(parents=True)
+        spec = {
+            "argv": [
+                sys.executable,
+                "-c",
+                _LEAN_LAUNCHER,
+                "-f",
+                "{connection_file}",
+                *_KERNEL_FLAGS,
+            ],
+            "display_name": "Python 3 (kernelexec tests)",
+            "language": "python",
+            "interrupt_mode": "signal",
+        }
+        (spec_dir / "kernel.json").write_text(json.dumps(spec))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log(self) -> str:
+        path = self.root / "gateway.log"
+        return path.read_text(errors="replace") if path.exists() else ""
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start the gateway (again, on the same port and token) and wait until it answers."""
+        args = [
+            sys.executable,
+            "-m",
+            "kernel_gateway",
+            "--KernelGatewayApp.ip=127.0.0.1",
+            f"--KernelGatewayApp.port={self.port}",
+            "--KernelGatewayApp.port_retries=0",
+            f"--KernelGatewayApp.auth_token={self.token}",
+            "--JupyterWebsocketPersonality.list_kernels=True",
+            f"--ZMQChannelsWebsocketConnection.iopub_data_rate_limit={self.rate_limit}",
+        ]
+        if self.max_kernels is not None:
+            args.append(f"--KernelGatewayApp.max_kernels={self.max_kernels}")
+        env = dict(os.environ)
+        env.update(
+            {
+                "JUPYTER_PATH": str(self.root / "share" / "jupyter"),
+                "JUPYTER_RUNTIME_DIR": str(self.root / "runtime"),
+                "IPYTHONDIR": str(self.root / "ipython"),
+                "KG_ENV_PROCESS_WHITELIST": "IPYTHONDIR",
+                "KG_ENV_WHITELIST": ",".join(self.env_whitelist),
+                SECRET: "hunter2",
+            }
+        )
+        with open(self.root / "gateway.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                args,
+                cwd=self.work,
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        deadline = time.monotonic() + timeout
+        while True:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"the gateway exited at start:\n{self.log[-3000:]}")
+            try:
+                self.get("/api")
+                return
+            except OSError:
+                if time.monotonic() > deadline:
+                    self.stop()
+                    raise RuntimeError(f"the gateway did not answer:\n{self.log[-3000:]}") from None
+                time.sleep(0.05)  # polling its readiness endpoint: the event itself
+
+    def get(self, path: str) -> Any:
+        req = urllib.request.Request(
+            self.url + path, headers={"Authorization": f"token {self.token}"}
+        )
+        with urllib.request.urlopen(req, timeout=5) as resp:
+            return json.loads(resp.read())
+
+    def kernels(self) -> list[dict[str, Any]]:
+        """The kernels the gateway runs now."""
+        result: list[dict[str, Any]] = self.get("/api/kernels")
+        return result
+
+    def stop(self) -> None:
+        """SIGTERM (the gateway shuts its kernels down), SIGKILL of its group after 15 s."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=15)
+
+    def kill(self) -> None:
+        """SIGKILL the gateway (its kernels end on their own when their parent is gone)."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=15)
+
+    def close(self) -> None:
+        self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> Gateway:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
