@@ -8,6 +8,7 @@ ipykernel with the same flags and lean launcher as the local backend, so the two
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import secrets
@@ -17,6 +18,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -142,6 +144,16 @@ class Gateway:
         with urllib.request.urlopen(req, timeout=5) as resp:
             return json.loads(resp.read())
 
+    def delete_kernel(self, kernel_id: str) -> None:
+        """Delete a kernel behind its client's back."""
+        req = urllib.request.Request(
+            f"{self.url}/api/kernels/{kernel_id}",
+            method="DELETE",
+            headers={"Authorization": f"token {self.token}"},
+        )
+        with urllib.request.urlopen(req, timeout=15):
+            pass
+
     def kernels(self) -> list[dict[str, Any]]:
         """The kernels the gateway runs now."""
         result: list[dict[str, Any]] = self.get("/api/kernels")
@@ -176,3 +188,64 @@ class Gateway:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class TcpProxy:
+    """A TCP relay on 127.0.0.1 in front of a gateway whose connections can be cut, to drop a
+    client's websocket for real while the gateway and the kernel live on."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port = target_port
+        self._server = socket.create_server(("127.0.0.1", 0))
+        self.port = int(self._server.getsockname()[1])
+        self._lock = threading.Lock()
+        self._open: list[socket.socket] = []
+        self.accepted = 0
+        self._thread = threading.Thread(target=self._accept, daemon=True)
+        self._thread.start()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                client, _ = self._server.accept()
+            except OSError:
+                return
+            try:
+                upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            except OSError:
+                client.close()
+                continue
+            with self._lock:
+                self.accepted += 1
+                self._open += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pump(src: socket.socket, dst: socket.socket) -> None:
+        try:
+            while data := src.recv(65536):
+                dst.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (src, dst):
+                with contextlib.suppress(OSError):
+                    s.shutdown(socket.SHUT_RDWR)
+
+    def cut(self) -> None:
+        """Reset every relayed connection now (new ones are still accepted)."""
+        with self._lock:
+            conns, self._open = self._open, []
+        for s in conns:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
+            s.close()
+
+    def close(self) -> None:
+        self._server.close()
+        self.cut()

@@ -68,6 +68,20 @@ else:  # pragma: no cover
         return await asyncio.wait_for(ws.recv(), timeout)
 
 
+class _RedactAuthorization(logging.Filter):
+    """websockets logs every handshake header at DEBUG level; the token must not reach a log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        args = record.args
+        if isinstance(args, tuple) and len(args) == 2 and str(args[0]).lower() == "authorization":
+            record.args = (args[0], "[redacted]")
+        return True
+
+
+_WS_LOG = logging.getLogger("kernelexec.gateway.websockets")
+_WS_LOG.addFilter(_RedactAuthorization())
+
+
 def _websockets() -> Any:
     try:
         from websockets.asyncio import client
@@ -248,6 +262,7 @@ class GatewayConnection(KernelConnection):
                 proxy=None,
                 ssl=backend.ssl_context if backend.url.startswith("https") else None,
                 user_agent_header="kernelexec",
+                logger=_WS_LOG,
             )
         except InvalidStatus as exc:
             code = exc.response.status_code

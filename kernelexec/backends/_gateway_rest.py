@@ -7,9 +7,11 @@ up in the gateway's and every proxy's access logs. No message here ever contains
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import ssl
+import time
 from typing import Any
 from urllib.parse import quote, urlsplit
 
@@ -188,18 +190,33 @@ class GatewayREST:
         return code
 
     async def delete(self, kernel_id: str, timeout: float) -> None:
-        """Shut the kernel down; a kernel already gone is not an error."""
-        try:
-            code, data = await self.request(
-                "DELETE", f"/api/kernels/{quote(kernel_id)}", timeout=timeout
-            )
-        except (ConfigError, PoolExhaustedError) as exc:
-            log.warning("could not delete gateway kernel %s: %s", kernel_id, exc)
-            return
-        if code not in (204, 200, 404):
-            log.warning(
-                "could not delete gateway kernel %s (HTTP %s): %s", kernel_id, code, message_of(data)
-            )
+        """Shut the kernel down; a kernel already gone is not an error.
+
+        A 5xx is retried until ``timeout``: Jupyter Server fails a DELETE that arrives while it
+        restarts a kernel that died (jupyter_client's ``ready`` future is not done yet).
+        """
+        deadline = time.monotonic() + timeout
+        delay = 0.1
+        while True:
+            try:
+                code, data = await self.request(
+                    "DELETE", f"/api/kernels/{quote(kernel_id)}", timeout=timeout
+                )
+            except (ConfigError, PoolExhaustedError) as exc:
+                log.warning("could not delete gateway kernel %s: %s", kernel_id, exc)
+                return
+            if code in (204, 200, 404):
+                return
+            if code < 500 or code == UNREACHABLE or time.monotonic() + delay > deadline:
+                log.warning(
+                    "could not delete gateway kernel %s (HTTP %s): %s",
+                    kernel_id,
+                    code,
+                    message_of(data),
+                )
+                return
+            await asyncio.sleep(delay)
+            delay = min(delay * 2, 1.0)
 
 
 def message_of(data: Any, limit: int = 300) -> str:
