@@ -3,11 +3,13 @@ here): the same behaviours as local kernels, and the faults of a remote kernel s
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import logging
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -52,7 +54,8 @@ def echo(value: str) -> dict:
     Args:
         value: Any string.
     """
-    import hashlib
+    import asyncio
+import hashlib
     return {"value": value, "sha": hashlib.sha256(value.encode()).hexdigest()}
 '''
     )
@@ -150,9 +153,7 @@ def test_env_scoping(gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_recording_and_replay(gateway: Gateway, tmp_path: Path) -> None:
     add = kx.Tool.from_source("def add(a: int, b: int) -> int:\n    return a + b\n")
-    with kx.KernelExecutor(
-        backend=backend(gateway), record_dir=tmp_path, default_timeout=30
-    ) as ex:
+    with kx.KernelExecutor(backend=backend(gateway), record_dir=tmp_path, default_timeout=30) as ex:
         s = ex.session("rec")
         s.run_code("base = 40\nprint('base set')")
         assert s.call_tool(add, {"a": 1, "b": 1}).func_return == 2
@@ -192,6 +193,24 @@ def test_backend_by_name_and_its_checks(gateway: Gateway) -> None:
     assert gateway.token not in repr(backend(gateway))
 
 
+@pytest.mark.anyio
+async def test_pool_prewarms_and_culls_on_the_gateway(gateway: Gateway) -> None:
+    async with kx.AsyncKernelExecutor(
+        backend=backend(gateway), prewarm=1, idle_timeout=0.5, default_timeout=30
+    ) as ex:
+        await ex.warm_up()
+        assert len(gateway.kernels()) == 1  # warm before any session asked
+        s = await ex.session("pooled")
+        await s.run_code("x = 1")
+        assert s.has_kernel
+        deadline = time.monotonic() + 30
+        while s.has_kernel and time.monotonic() < deadline:  # noqa: ASYNC110 (no event to await)
+            await asyncio.sleep(0.05)  # waiting for the culling task's effect, not a duration
+        assert not s.has_kernel
+        r = await s.run_code("2")
+        assert r.kernel_restarted and r.lost_variables == ["x"]
+
+
 # -- faults ---------------------------------------------------------------------------------
 
 
@@ -200,27 +219,32 @@ def test_wrong_or_missing_token_is_refused_without_showing_it(
 ) -> None:
     caplog.set_level(logging.DEBUG)
     wrong = "not-the-token-" + gateway.token[:8]
-    with kx.KernelExecutor(backend=GatewayBackend(gateway.url, token=wrong)) as ex:
-        with pytest.raises(kx.ConfigError, match="refused the token") as info:
-            ex.run_code("1")
+    with (
+        kx.KernelExecutor(backend=GatewayBackend(gateway.url, token=wrong)) as ex,
+        pytest.raises(kx.ConfigError, match="refused the token") as info,
+    ):
+        ex.run_code("1")
     assert wrong not in str(info.value) and gateway.url in str(info.value)
-    with kx.KernelExecutor(backend=GatewayBackend(gateway.url)) as ex:
-        with pytest.raises(kx.ConfigError, match="requires a token"):
-            ex.run_code("1")
+    with (
+        kx.KernelExecutor(backend=GatewayBackend(gateway.url)) as ex,
+        pytest.raises(kx.ConfigError, match="requires a token"),
+    ):
+        ex.run_code("1")
     with kx.KernelExecutor(backend=backend(gateway)) as ex:  # websockets logs its handshake
         assert ex.run_code("1").ok
     assert any("Authorization" in r.getMessage() for r in caplog.records)
     assert all(
-        wrong not in r.getMessage() and gateway.token not in r.getMessage()
-        for r in caplog.records
+        wrong not in r.getMessage() and gateway.token not in r.getMessage() for r in caplog.records
     )
 
 
 def test_unreachable_gateway_names_the_url() -> None:
     url = f"http://127.0.0.1:{free_port()}"
-    with kx.KernelExecutor(backend=GatewayBackend(url, token="t")) as ex:
-        with pytest.raises(kx.KernelStartError, match="unreachable") as info:
-            ex.run_code("1")
+    with (
+        kx.KernelExecutor(backend=GatewayBackend(url, token="t")) as ex,
+        pytest.raises(kx.KernelStartError, match="unreachable") as info,
+    ):
+        ex.run_code("1")
     assert url in str(info.value)
 
 

@@ -151,7 +151,9 @@ class GatewayBackend(KernelBackend):
             if not isinstance(value, int | float) or value <= 0:
                 raise ConfigError(f"gateway {field} must be positive, got {value!r}")
         if ping_interval is not None and ping_interval <= 0:
-            raise ConfigError(f"gateway ping_interval must be positive or None, got {ping_interval}")
+            raise ConfigError(
+                f"gateway ping_interval must be positive or None, got {ping_interval}"
+            )
         self.kernel_name = kernel_name
         self.username = username or getpass.getuser()
         self.path = path
@@ -503,4 +505,3 @@ class GatewayConnection(KernelConnection):
                 return None
             await asyncio.sleep(min(delay, give_up - now, max(0.0, deadline - now)))
             delay = min(delay * 2, 1.0)
-
