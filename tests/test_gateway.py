@@ -54,8 +54,7 @@ def echo(value: str) -> dict:
     Args:
         value: Any string.
     """
-    import asyncio
-import hashlib
+    import hashlib
     return {"value": value, "sha": hashlib.sha256(value.encode()).hexdigest()}
 '''
     )
@@ -84,7 +83,8 @@ NASTY = [
 ]
 
 
-def test_tool_arguments_and_results_are_byte_exact(gateway: Gateway) -> None:
+@pytest.mark.parametrize("offer_v1", [True, False], ids=["v1", "json"])
+def test_tool_arguments_and_results_are_byte_exact(gateway: Gateway, offer_v1: bool) -> None:
     ident = kx.Tool.from_source("def ident(value):\n    return value\n")
     value = {
         "big": 2**200,
@@ -92,7 +92,7 @@ def test_tool_arguments_and_results_are_byte_exact(gateway: Gateway) -> None:
         "tiny": 5e-324,
         "nested": [None, True, False, [], {}, {"k": [1, 2.5, "s"]}],
     }
-    with kx.KernelExecutor(backend=backend(gateway), default_timeout=30) as ex:
+    with kx.KernelExecutor(backend=backend(gateway, offer_v1=offer_v1), default_timeout=30) as ex:
         for text in NASTY:
             result = ex.call_tool(echo_tool(), {"value": text})
             assert result.ok, result.error

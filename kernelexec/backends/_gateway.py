@@ -115,6 +115,8 @@ class GatewayBackend(KernelBackend):
             cut in the kernel already, so this bounds images and other rich outputs.
         ping_interval: Seconds between websocket pings (a silent dead peer is noticed within
             twice this); None turns pings off.
+        offer_v1: Offer the ``v1.kernel.websocket.jupyter.org`` subprotocol (binary framing);
+            False always uses the legacy JSON framing, as servers without v1 do anyway.
         quickack: Re-arm ``TCP_QUICKACK`` after every receive (Linux): Jupyter Server never sets
             ``TCP_NODELAY`` on kernel websockets, so without it every call waits ~40 ms for the
             client's delayed ACK.
@@ -136,6 +138,7 @@ class GatewayBackend(KernelBackend):
         reconnect_timeout: float = 10.0,
         max_message_bytes: int = 256 * 1024 * 1024,
         ping_interval: float | None = 20.0,
+        offer_v1: bool = True,
         quickack: bool = True,
     ) -> None:
         self.url = check_url(url)
@@ -161,6 +164,7 @@ class GatewayBackend(KernelBackend):
         self.reconnect_timeout = float(reconnect_timeout)
         self.max_message_bytes = int(max_message_bytes)
         self.ping_interval = ping_interval
+        self.offer_v1 = offer_v1
         self.quickack = quickack and hasattr(socket, "TCP_QUICKACK")
         self.rest = GatewayREST(self.url, token, ssl_context, float(request_timeout))
 
@@ -253,7 +257,7 @@ class GatewayConnection(KernelConnection):
             ws = await client.connect(
                 f"{url}?session_id={self._session}",
                 additional_headers=self._rest.auth_headers,
-                subprotocols=[V1],
+                subprotocols=[V1] if backend.offer_v1 else None,
                 compression=None,
                 max_size=backend.max_message_bytes,
                 max_queue=None,
