@@ -123,6 +123,7 @@ def test_timeout_interrupts_and_keeps_state(gateway: Gateway) -> None:
         assert s.run_code("x").result == "'kept'"
 
 
+@pytest.mark.slow
 def test_kernel_killed_from_inside_is_replaced(gateway: Gateway) -> None:
     with kx.KernelExecutor(backend=backend(gateway), default_timeout=30) as ex:
         s = ex.session()
@@ -248,6 +249,7 @@ def test_unreachable_gateway_names_the_url() -> None:
     assert url in str(info.value)
 
 
+@pytest.mark.slow
 def test_kernel_deleted_behind_our_back(gateway: Gateway) -> None:
     with kx.KernelExecutor(backend=backend(gateway), default_timeout=30) as ex:
         s = ex.session()
@@ -281,6 +283,7 @@ def test_websocket_dropped_mid_call_reconnects_and_finishes(gateway: Gateway) ->
         proxy.close()
 
 
+@pytest.mark.slow
 def test_gateway_stopped_mid_session_and_back() -> None:
     with Gateway() as gw:
         be = GatewayBackend(gw.url, token=gw.token, reconnect_timeout=1)
