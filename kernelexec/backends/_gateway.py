@@ -244,9 +244,10 @@ class GatewayConnection(KernelConnection):
         self.kernel_id = await self._rest.start_kernel(
             self._kernel_name, self._env, self._backend.path
         )
-        await self._connect()
+        # The handshake waits for the kernel's first reply; start() bounds the whole launch.
+        await self._connect(open_timeout=None)
 
-    async def _connect(self) -> None:
+    async def _connect(self, open_timeout: float | None) -> None:
         client = _websockets()
         from websockets.exceptions import InvalidStatus
 
@@ -263,7 +264,7 @@ class GatewayConnection(KernelConnection):
                 max_queue=None,
                 ping_interval=backend.ping_interval,
                 ping_timeout=backend.ping_interval,
-                open_timeout=self._rest_timeout(),
+                open_timeout=open_timeout,
                 close_timeout=2,
                 proxy=None,
                 ssl=backend.ssl_context if backend.url.startswith("https") else None,
@@ -293,9 +294,6 @@ class GatewayConnection(KernelConnection):
         for frame in outbox:
             await ws.send(frame)
 
-    def _rest_timeout(self) -> float:
-        return min(self._backend.reconnect_timeout, 30.0)
-
     async def restart(self) -> None:
         # A fresh kernel rather than POST .../restart: the gateway's own restart would arrive
         # on this socket as a "restarting" status, which means death when the kernel did it.
@@ -314,7 +312,7 @@ class GatewayConnection(KernelConnection):
                 await ws.close()
         if kernel_id is not None:
             with contextlib.suppress(Exception):
-                await self._rest.delete(kernel_id, timeout=self._rest_timeout())
+                await self._rest.delete(kernel_id)
 
     async def interrupt(self) -> None:
         if self.kernel_id is not None:
@@ -486,9 +484,10 @@ class GatewayConnection(KernelConnection):
         give_up = self._dropped_at + self._backend.reconnect_timeout
         delay = 0.05
         while True:
+            window = max(0.5, give_up - time.monotonic())
             try:
-                await self._rest.kernel_state(self.kernel_id)
-                await self._connect()
+                await self._rest.kernel_state(self.kernel_id, timeout=window)
+                await self._connect(open_timeout=window)
                 log.warning("reconnected to kernel %s on %s", self.kernel_id, self._url)
                 return None
             except KernelGone:

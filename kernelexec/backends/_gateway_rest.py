@@ -156,14 +156,14 @@ class GatewayREST:
             )
         return str(data["id"])
 
-    async def kernel_state(self, kernel_id: str) -> str:
+    async def kernel_state(self, kernel_id: str, timeout: float = 0) -> str:
         """The kernel's ``execution_state`` as the gateway reports it.
 
         Raises:
             GatewayUnreachable: nothing answered.
             KernelGone: the gateway does not know the kernel.
         """
-        code, data = await self.request("GET", f"/api/kernels/{quote(kernel_id)}")
+        code, data = await self.request("GET", f"/api/kernels/{quote(kernel_id)}", timeout=timeout)
         if code == UNREACHABLE:
             raise GatewayUnreachable(f"the gateway at {self.url} is unreachable: {data}")
         if code == 404:
@@ -189,12 +189,13 @@ class GatewayREST:
         code, _ = await self.request("POST", f"/api/kernels/{quote(kernel_id)}/interrupt", {})
         return code
 
-    async def delete(self, kernel_id: str, timeout: float) -> None:
+    async def delete(self, kernel_id: str, timeout: float = 0) -> None:
         """Shut the kernel down; a kernel already gone is not an error.
 
         A 5xx is retried until ``timeout``: Jupyter Server fails a DELETE that arrives while it
         restarts a kernel that died (jupyter_client's ``ready`` future is not done yet).
         """
+        timeout = timeout or self._timeout
         deadline = time.monotonic() + timeout
         delay = 0.1
         while True:
