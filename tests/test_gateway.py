@@ -194,6 +194,14 @@ def test_backend_by_name_and_its_checks(gateway: Gateway) -> None:
     assert gateway.token not in repr(backend(gateway))
 
 
+def test_a_token_over_plain_http_to_another_host_warns(caplog: pytest.LogCaptureFixture) -> None:
+    GatewayBackend("http://gateway.invalid:8888", token="s3cret-token")
+    GatewayBackend("https://gateway.invalid:8888", token="s3cret-token")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "clear text" in warnings[0]
+    assert "s3cret-token" not in warnings[0]
+
+
 @pytest.mark.anyio
 async def test_pool_prewarms_and_culls_on_the_gateway(gateway: Gateway) -> None:
     async with kx.AsyncKernelExecutor(
@@ -237,6 +245,23 @@ def test_wrong_or_missing_token_is_refused_without_showing_it(
     assert all(
         wrong not in r.getMessage() and gateway.token not in r.getMessage() for r in caplog.records
     )
+
+
+def test_unknown_kernelspec_is_a_short_clear_error(gateway: Gateway) -> None:
+    with (
+        kx.KernelExecutor(backend=backend(gateway, kernel_name="no-such-spec")) as ex,
+        pytest.raises(kx.KernelStartError, match="could not start kernel 'no-such-spec'") as info,
+    ):
+        ex.run_code("1")
+    assert "Traceback" not in str(info.value) and len(str(info.value)) < 600
+
+
+def test_kernelspecs_are_part_of_the_fingerprint(gateway: Gateway) -> None:
+    one = kx.KernelExecutor(backend=backend(gateway))
+    other = kx.KernelExecutor(backend=backend(gateway, kernel_name="py-other"))
+    assert one.fingerprint != other.fingerprint
+    one.close()
+    other.close()
 
 
 def test_unreachable_gateway_names_the_url() -> None:

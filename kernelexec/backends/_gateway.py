@@ -21,6 +21,7 @@ import time
 import uuid
 from collections import deque
 from typing import TYPE_CHECKING, Any, Literal
+from urllib.parse import urlsplit
 
 from kernelexec._exceptions import ConfigError, KernelStartError
 from kernelexec.backends._base import (
@@ -48,6 +49,7 @@ _SILENCE_CHECK = 2.0
 """Seconds without a message after which ``receive`` asks the gateway whether the kernel still
 exists (a deleted kernel's websocket may stay open and silent)."""
 
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
 _RATE_NOTICES = ("IOPub data rate exceeded", "IOPub message rate exceeded")
 _TRUNCATED = (
     "\n[kernelexec: output truncated: the gateway dropped output over its IOPub rate limit "
@@ -167,12 +169,19 @@ class GatewayBackend(KernelBackend):
         self.offer_v1 = offer_v1
         self.quickack = quickack and hasattr(socket, "TCP_QUICKACK")
         self.rest = GatewayREST(self.url, token, ssl_context, float(request_timeout))
+        host = urlsplit(self.url).hostname or ""
+        if token and self.url.startswith("http:") and host not in _LOOPBACK:
+            log.warning(
+                "the gateway token is sent in clear text to %s: use https:// (see the README)",
+                self.url,
+            )
 
     def __repr__(self) -> str:
         return f"GatewayBackend({self.url!r}, kernel_name={self.kernel_name!r})"
 
     def describe(self) -> str:
-        return f"gateway:{self.url}"
+        # The kernelspec is the environment on a gateway, so it is part of the fingerprint.
+        return f"gateway:{self.url}#{self.kernel_name}"
 
     def check(self, launch: KernelLaunch) -> None:
         if launch.interpreter is not None:
