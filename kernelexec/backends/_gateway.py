@@ -19,7 +19,6 @@ import ssl
 import sys
 import time
 import uuid
-from collections import deque
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
@@ -232,7 +231,6 @@ class GatewayConnection(KernelConnection):
         self._ws: ClientConnection | None = None
         self._v1 = False
         self._sock: socket.socket | None = None
-        self._pending: deque[KernelMessage] = deque()
         self._outbox: list[str | bytes] = []
         self._died: KernelDied | None = None
         self._dropped_at: float | None = None
@@ -246,7 +244,6 @@ class GatewayConnection(KernelConnection):
     async def launch(self) -> None:
         """Start a kernel on the gateway and connect its websocket."""
         self._died = None
-        self._pending.clear()
         self._outbox.clear()
         self._seen.clear()
         self._session = uuid.uuid4().hex
@@ -313,7 +310,6 @@ class GatewayConnection(KernelConnection):
         ws, self._ws = self._ws, None
         kernel_id, self.kernel_id = self.kernel_id, None
         self._sock = None
-        self._pending.clear()
         self._outbox.clear()
         self._died = KernelDied("the kernel is shut down")
         if ws is not None:
@@ -354,11 +350,10 @@ class GatewayConnection(KernelConnection):
                 await ws.send(frame)
             except Exception:
                 self._outbox.append(frame)
+            self._quickack()
         return str(msg["header"]["msg_id"])
 
     async def receive(self, timeout: float) -> KernelMessage | KernelDied | None:
-        if self._pending:
-            return self._pending.popleft()
         if self._died is not None:
             return self._died
         from websockets.exceptions import ConnectionClosed
