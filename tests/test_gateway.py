@@ -169,10 +169,13 @@ def test_recording_and_replay(gateway: Gateway, tmp_path: Path) -> None:
 def test_two_executors_share_one_gateway(gateway: Gateway) -> None:
     with (
         kx.KernelExecutor(backend=backend(gateway), default_timeout=30) as one,
-        kx.KernelExecutor(backend=backend(gateway), default_timeout=30) as two,
+        kx.KernelExecutor(backend=backend(gateway), workdir="second", default_timeout=30) as two,
     ):
         one.run_code("who = 'one'")
         two.run_code("who = 'two'")
+        cwd = "import os; os.getcwd()"
+        assert one.run_code(cwd).result == repr(str(gateway.work / "kernelexec" / "default"))
+        assert two.run_code(cwd).result == repr(str(gateway.work / "second" / "default"))
         pids = {ex.run_code("import os; os.getpid()").result for ex in (one, two)}
         assert one.run_code("who").result == "'one'"
         assert two.run_code("who").result == "'two'"
