@@ -267,6 +267,18 @@ def test_kernelspecs_are_part_of_the_fingerprint(gateway: Gateway) -> None:
     other.close()
 
 
+def test_a_message_over_max_message_bytes_is_a_clear_death(gateway: Gateway) -> None:
+    with kx.KernelExecutor(
+        backend=backend(gateway, max_message_bytes=50_000), default_timeout=30
+    ) as ex:
+        assert ex.run_code("x = 1; print('small')").ok
+        r = ex.run_code("print('z' * 100_000)")
+        assert r.error is not None and r.error.kind == "kernel_died"
+        assert "larger than max_message_bytes=50000" in r.error.evalue
+        assert r.kernel_restarted and r.lost_variables == ["x"]
+        assert ex.run_code("1 + 1").result == "2"
+
+
 def test_unreachable_gateway_names_the_url() -> None:
     url = f"http://127.0.0.1:{free_port()}"
     with (
