@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from kernelexec._cli._progress import ProgressDisplay
+from kernelexec._config import valid_timeout
 from kernelexec._envs._builder import EnvBuilder, list_envs, prune_envs
 from kernelexec._envs._envs import VenvEnv, default_cache_dir
 from kernelexec._exceptions import ConfigError, EnvSetupError, KernelExecError
@@ -29,9 +30,19 @@ class UsageError(Exception):
     """Bad command-line input; exit status 2."""
 
 
+def _seconds(text: str) -> float:
+    """``--timeout``: a finite positive number of seconds (argparse exits 2 otherwise)."""
+    try:
+        return valid_timeout(float(text))
+    except (ValueError, ConfigError):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite positive number of seconds, got {text!r}"
+        ) from None
+
+
 def _executor_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", default="default", help="agent (session) id")
-    p.add_argument("--timeout", type=float, default=None, help="seconds before interrupting")
+    p.add_argument("--timeout", type=_seconds, default=None, help="seconds before interrupting")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     p.add_argument(
         "--record", metavar="DIR", default=None, help="record the run in DIR/AGENT.ipynb"
@@ -79,7 +90,12 @@ def _parser() -> argparse.ArgumentParser:
 
     replay = sub.add_parser("replay", help="re-run a recorded notebook and report differences")
     replay.add_argument("notebook")
-    replay.add_argument("--timeout", type=float, default=60.0, help="seconds per unrecorded cell")
+    replay.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=None,
+        help="seconds per cell: for unrecorded ones (default 60), and the cap on recorded ones",
+    )
     replay.add_argument("--json", action="store_true", help="print the report as JSON only")
 
     tools = sub.add_parser("tools", help="tools authored in notebooks")
@@ -103,6 +119,36 @@ def _parser() -> argparse.ArgumentParser:
     env_build.add_argument("--installer", choices=["auto", "uv", "pip"], default="auto")
     env_build.add_argument("--cache-dir", default=None)
     env_build.add_argument("--json", action="store_true")
+
+    mcp = sub.add_parser("mcp", help="serve kernels to MCP clients (stdio or streamable HTTP)")
+    mcp.add_argument(
+        "--tools",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="FILE.py|NOTEBOOK",
+        help="expose a file's public functions, or a notebook's `tool` cells, as MCP tools",
+    )
+    mcp.add_argument("--transport", choices=["stdio", "http"], default="stdio")
+    mcp.add_argument("--host", default="127.0.0.1", help="HTTP: address to bind")
+    mcp.add_argument("--port", type=int, default=8000, help="HTTP: port (0: any free port)")
+    mcp.add_argument(
+        "--token",
+        default=None,
+        help="HTTP: bearer token (default: $KERNELEXEC_MCP_TOKEN, else "
+        "a generated one, printed at start)",
+    )
+    mcp.add_argument("--record", metavar="DIR", default=None, help="record sessions in DIR")
+    mcp.add_argument("--isolation", metavar="LEVEL", default=None, help="kernels' isolation level")
+    mcp.add_argument(
+        "--requirement",
+        "-r",
+        action="append",
+        default=[],
+        metavar="REQ",
+        help="run the kernels in a venv with this requirement (repeatable)",
+    )
+    mcp.add_argument("--timeout", type=float, default=None, help="default seconds per run")
 
     demo = sub.add_parser("demo", help="a scripted stateful agent session")
     demo.add_argument("--calls", type=int, default=200, help="warm calls to time at the end")
@@ -238,7 +284,10 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
     from kernelexec._sync import replay
 
     print(f"replaying {ns.notebook} in a fresh kernel", file=sys.stderr)
-    report = replay(ns.notebook, default_timeout=ns.timeout)
+    if ns.timeout is None:
+        report = replay(ns.notebook)
+    else:
+        report = replay(ns.notebook, default_timeout=ns.timeout, max_timeout=ns.timeout)
     if ns.json:
         print(report.model_dump_json())
     else:
@@ -297,6 +346,33 @@ def _cmd_repl(ns: argparse.Namespace) -> int:
                 _print_result(session.run_code(code), False)
 
 
+def _cmd_mcp(ns: argparse.Namespace) -> int:
+    try:
+        from kernelexec._mcp._serve import serve
+    except ImportError as exc:
+        if not (exc.name or "").startswith(("mcp", "uvicorn", "starlette")):
+            raise
+        raise UsageError(
+            f"the MCP server needs the mcp extra ({exc.name} is missing): "
+            "pip install 'kernelexec[mcp]'"
+        ) from None
+    from kernelexec._mcp._options import McpOptions
+
+    options = McpOptions.from_flags(
+        tools=tuple(ns.tools),
+        transport=ns.transport,
+        host=ns.host,
+        port=ns.port,
+        token=ns.token,
+        record_dir=ns.record,
+        isolation=ns.isolation,
+        requirements=tuple(ns.requirement),
+        timeout=ns.timeout,
+    )
+    serve(options)
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kernelexec`` command; returns the exit status."""
     ns = _parser().parse_args(argv)
@@ -308,6 +384,7 @@ def main(argv: list[str] | None = None) -> int:
         "replay": _cmd_replay,
         "tools": _cmd_tools,
         "env": _cmd_env,
+        "mcp": _cmd_mcp,
     }
     try:
         if ns.command == "demo":

@@ -4,9 +4,10 @@ the kernel budget, the background tasks and the agents' sessions."""
 from __future__ import annotations
 
 import asyncio
-import enum
 import os
 import shutil
+import weakref
+from collections import OrderedDict
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
@@ -16,10 +17,11 @@ from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._pool import KernelPool
 from kernelexec._core._session import AsyncSession
+from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
 from kernelexec._envs._builder import EnvBuilder, ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
-from kernelexec._exceptions import ConfigError, ExecutorClosedError
+from kernelexec._exceptions import ConfigError
 from kernelexec._models import Execution, ToolResult
 from kernelexec._notebooks._io import safe_filename
 from kernelexec._notebooks._recording import SessionRecorder
@@ -31,14 +33,9 @@ from kernelexec.backends._local import LocalBackend
 from kernelexec.backends._registry import get_backend
 
 DEFAULT_AGENT = "default"
+_MAX_REMEMBERED_LOSSES = 1_024
 
 Env = LocalEnv | VenvEnv
-
-
-class _State(enum.Enum):
-    UNOPENED = "unopened"
-    OPEN = "open"
-    CLOSED = "closed"
 
 
 def kernel_env(config: ExecutorConfig) -> dict[str, str]:
@@ -82,8 +79,17 @@ class AsyncKernelExecutor:
         self.backend = _resolve_backend(backend, backend_options)
         self._check_env(self.config.env)
         self.builder = EnvBuilder(self.config.cache_dir, self.config.installer, on_progress)
-        self._state = _State.UNOPENED
+        self._state = Lifecycle("the executor")
+        # Sessions by (agent id, fingerprint). A session whose kernel was evicted is only
+        # weakly held ("parked"): kept while its caller holds it, forgotten otherwise, so the
+        # executor's memory is bounded by live sessions, not by every agent ever seen.
         self._sessions: dict[tuple[str, str], AsyncSession] = {}
+        self._parked: weakref.WeakValueDictionary[tuple[str, str], AsyncSession] = (
+            weakref.WeakValueDictionary()
+        )
+        self._finalizers: dict[tuple[str, str], weakref.finalize[Any, Any]] = {}
+        # What forgotten sessions lost, told to their agent's next session (bounded).
+        self._lost_by_agent: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
         self._dirs_used: set[str] = set()
         self._pools: dict[str, KernelPool] = {}
         self._pool_locks: dict[str, asyncio.Lock] = {}
@@ -134,9 +140,8 @@ class AsyncKernelExecutor:
 
     async def start(self) -> None:
         """Open the executor (start prewarming). Called by ``async with`` and on first use."""
-        if self._state is _State.CLOSED:
-            raise ExecutorClosedError("the executor is closed")
-        if self._state is _State.OPEN:
+        self._state.check()
+        if self._state.is_open:
             return
         cfg = self.config
         if self.backend.host_filesystem:
@@ -157,7 +162,7 @@ class AsyncKernelExecutor:
                 raise ConfigError(f"record_dir {cfg.record_dir}: {exc.strerror}") from None
         await self._supervisor.start()
         self._budget.open()
-        self._state = _State.OPEN
+        self._state.open()
         if isinstance(cfg.env, LocalEnv):
             self._new_pool(self.fingerprint, self._launch(cfg.env, None), cfg.prewarm)
 
@@ -189,8 +194,7 @@ class AsyncKernelExecutor:
             if isinstance(env, VenvEnv):
                 built = await self.builder.ensure(env)
                 interpreter = str(built.python)
-            if self._state is not _State.OPEN:
-                raise ExecutorClosedError("the executor is closed")
+            self._state.check()
             if prewarm is None:
                 prewarm = self.config.prewarm if env == self.env else 0
             return self._new_pool(fingerprint, self._launch(env, interpreter), prewarm)
@@ -208,9 +212,11 @@ class AsyncKernelExecutor:
 
     @property
     def sessions(self) -> dict[str, AsyncSession]:
-        """The open sessions of the default environment by agent id (a copy)."""
+        """The open sessions of the default environment by agent id (a copy); a session whose
+        kernel was evicted is listed while its caller still holds it."""
         default = self.fingerprint
-        return {agent: s for (agent, fp), s in self._sessions.items() if fp == default}
+        known = [*self._parked.items(), *self._sessions.items()]
+        return {agent: s for (agent, fp), s in known if fp == default}
 
     @property
     def kernel_count(self) -> int:
@@ -248,11 +254,11 @@ class AsyncKernelExecutor:
         if env is not None and not isinstance(env, LocalEnv | VenvEnv):
             raise TypeError(f"env must be a LocalEnv or VenvEnv, not {type(env).__name__}")
         await self.start()
-        if self._state is not _State.OPEN:
-            raise ExecutorClosedError("the executor is closed")
+        self._state.check()
         env = env or self.env
         fingerprint = self.fingerprint_of(env)
-        existing = self._sessions.get((agent_id, fingerprint))
+        key = (agent_id, fingerprint)
+        existing = self._sessions.get(key) or self._parked.get(key)
         if existing is not None:
             return existing
         self._check_env(env)
@@ -268,6 +274,9 @@ class AsyncKernelExecutor:
             recorder = SessionRecorder(agent_id, path, fingerprint, env.model_dump(mode="json"))
         workdir = self._session_dir(agent_id)
         lease = KernelLease(agent_id, lambda: self._pool_for(env), str(workdir))
+        lease.carry_lost(self._lost_by_agent.pop(key, []))
+        lease.on_evicted = lambda: self._park(key)
+        lease.on_attached = lambda: self._unpark(key, lease)
         self._budget.register(lease)
         session = AsyncSession(
             agent_id,
@@ -280,9 +289,57 @@ class AsyncKernelExecutor:
             max_output_chars=cfg.max_output_chars,
             max_result_chars=cfg.max_result_chars,
             recorder=recorder,
+            on_close=self._forget,
         )
-        self._sessions[(agent_id, fingerprint)] = session
+        self._sessions[key] = session
         return session
+
+    def _park(self, key: tuple[str, str]) -> None:
+        """The session's kernel was evicted: hold the session weakly from now on."""
+        session = self._sessions.pop(key, None)
+        if session is None:
+            return
+        self._parked[key] = session
+        self._budget.forget(session.lease)
+        if key not in self._finalizers:
+            self._finalizers[key] = weakref.finalize(
+                session, self._session_gone, key, session.lease, session.recorder
+            )
+
+    def _unpark(self, key: tuple[str, str], lease: KernelLease) -> None:
+        """A parked session got a kernel again (its caller held it): hold it again."""
+        session = self._parked.pop(key, None)
+        if session is not None and self._state.is_open and key not in self._sessions:
+            self._sessions[key] = session
+        self._budget.register(lease)
+
+    def _session_gone(
+        self, key: tuple[str, str], lease: KernelLease, recorder: SessionRecorder | None
+    ) -> None:
+        """A parked session nobody held was collected: let its file and names go, and keep
+        what it lost for the agent's next session."""
+        self._finalizers.pop(key, None)
+        if recorder is not None:
+            recorder.close()
+        self._dirs_used.discard(PurePath(lease.workdir).name)
+        lost = lease.pending_lost()
+        if lost and self._state.is_open:
+            self._lost_by_agent[key] = lost
+            while len(self._lost_by_agent) > _MAX_REMEMBERED_LOSSES:
+                self._lost_by_agent.popitem(last=False)
+
+    async def _forget(self, session: AsyncSession) -> None:
+        """A session closed: the executor no longer knows it (the agent id may be used again)."""
+        key = (session.agent_id, session.fingerprint)
+        if self._sessions.get(key) is session:
+            del self._sessions[key]
+        if self._parked.get(key) is session:
+            del self._parked[key]
+        finalizer = self._finalizers.pop(key, None)
+        if finalizer is not None:
+            finalizer.detach()
+        self._budget.forget(session.lease)
+        self._dirs_used.discard(PurePath(session.workdir).name)
 
     def _session_dir(self, agent_id: str) -> PurePath:
         assert self._workdir is not None
@@ -361,11 +418,11 @@ class AsyncKernelExecutor:
             BackgroundTaskError: background work failed while the executor ran (everything
                 is shut down first).
         """
-        if self._state is _State.CLOSED:
+        if not self._state.close():
             return
-        self._state = _State.CLOSED
-        sessions = list(self._sessions.values())
+        sessions = [*self._sessions.values(), *self._parked.values()]
         self._sessions.clear()
+        self._parked.clear()
         for session in sessions:
             session.mark_closed()
         pools = list(self._pools.values())

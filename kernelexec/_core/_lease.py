@@ -33,6 +33,7 @@ class KernelLease:
         self, agent_id: str, pool: Callable[[], Awaitable[KernelPool]], workdir: str
     ) -> None:
         self.agent_id = agent_id
+        self.workdir = workdir
         self._get_pool = pool
         self._workdir = workdir
         self._pool: KernelPool | None = None
@@ -44,6 +45,10 @@ class KernelLease:
         self.generation = 0
         """How many kernels this lease has had (the current one's number)."""
         self.last_used = time.monotonic()
+        self.on_evicted: Callable[[], None] | None = None
+        """Told when the budget took the kernel back (the executor then forgets the session)."""
+        self.on_attached: Callable[[], None] | None = None
+        """Told when a kernel is attached (the executor then knows the session again)."""
 
     @property
     def busy(self) -> bool:
@@ -78,6 +83,8 @@ class KernelLease:
                 self._pool = await self._get_pool()
             self._conn = await self._pool.acquire()
             self._attached()
+            if self.on_attached is not None:
+                self.on_attached()
         return self._conn, lost
 
     def take_settings(self) -> dict[str, Any] | None:
@@ -122,6 +129,17 @@ class KernelLease:
         self._names = ()
         assert self._pool is not None
         await self._pool.discard(conn)
+        if self.on_evicted is not None:
+            self.on_evicted()
+
+    def pending_lost(self) -> list[str]:
+        """Names lost outside a run and not yet reported."""
+        return list(self._lost or [])
+
+    def carry_lost(self, names: list[str]) -> None:
+        """Report ``names`` as lost with the next run (a forgotten session's, for its agent)."""
+        if names:
+            self._lost = (self._lost or []) + names
 
     async def release(self) -> None:
         """Shut the kernel down for good (the session closed)."""
