@@ -42,6 +42,7 @@ def add(a: int, b: int) -> int:
 '''
 
 ROUNDS = 10
+REPO = str(Path(__file__).resolve().parent.parent)
 
 # -- the baseline: a faithful re-implementation of the subprocess-per-call sandbox ---------------
 
@@ -172,6 +173,7 @@ async def bench_warm(results: dict[str, Any], n: int, n_base: int, workdir: str)
         floor = await stack.enter_async_context(bare_client(shell_only=False))
         shell = await stack.enter_async_context(bare_client(shell_only=True))
         peer = await stack.enter_async_context(nbclient_peer())
+        gateway = await stack.enter_async_context(gateway_session())
         await fast.run_code(ADD_SOURCE)
 
         async def sync_call() -> None:
@@ -192,6 +194,8 @@ async def bench_warm(results: dict[str, Any], n: int, n_base: int, workdir: str)
             "floor_shell_only": (shell, n),
             "nbclient_peer": (peer, n // 2),
         }
+        if gateway is not None:
+            variants["call_tool_warm_gateway"] = (lambda: gateway.call_tool(tool, args), n)
         for fn, _ in variants.values():  # warm every path up
             for _ in range(3):
                 await fn()
@@ -276,6 +280,26 @@ async def nbclient_peer() -> AsyncIterator[Callable[[], Awaitable[None]]]:
             assert cell.outputs[0]["data"]["text/plain"] == "3"
 
         yield one
+
+
+@contextlib.asynccontextmanager
+async def gateway_session() -> AsyncIterator[kx.AsyncSession | None]:
+    """A session on a real jupyter-kernel-gateway on 127.0.0.1 (the tests' fixture: same kernel
+    flags as the local backend), or None when the gateway extra or the gateway is missing."""
+    try:
+        import kernel_gateway  # noqa: F401
+        import websockets  # noqa: F401
+    except ImportError as exc:
+        log(f"no gateway row: {exc}")
+        yield None
+        return
+    sys.path.insert(0, REPO)
+    from kernelexec.backends import GatewayBackend
+    from tests.gateway import Gateway
+
+    with Gateway() as gw:
+        async with kx.AsyncKernelExecutor(backend=GatewayBackend(gw.url, token=gw.token)) as ex:
+            yield await ex.session("gateway")
 
 
 async def bench_first_call(results: dict[str, Any], rounds: int) -> None:
@@ -477,6 +501,7 @@ def table(results: dict[str, Any]) -> str:
         ("floor_shell_only", "floor: raw shell-only execute, user_expressions, no iopub"),
         ("nbclient_peer", "peer: nbclient execute_cell, warm"),
         ("call_tool_warm", "kernelexec call_tool, warm"),
+        ("call_tool_warm_gateway", "kernelexec call_tool, warm, Kernel Gateway on 127.0.0.1"),
         ("call_tool_warm_sync", "kernelexec call_tool, warm, blocking KernelExecutor"),
         ("call_tool_warm_no_fast_paths", "kernelexec call_tool, warm, kernel fast paths off"),
         ("call_tool_warm_recorded", "kernelexec call_tool, warm, recorded (1,000+ cells)"),
@@ -508,6 +533,11 @@ def table(results: dict[str, Any]) -> str:
             f"{warm / results['floor_shell_only']['median_ms']:.2f}x; nbclient peer / call_tool: "
             f"{results['nbclient_peer']['median_ms'] / warm:.2f}x; fast paths off / on: "
             f"{results['call_tool_warm_no_fast_paths']['median_ms'] / warm:.2f}x"
+        )
+    if "call_tool_warm_gateway" in results:
+        lines.append(
+            f"gateway call_tool / local call_tool: "
+            f"{results['call_tool_warm_gateway']['median_ms'] / warm:.2f}x (target <= 1.5x)"
         )
     if "first_call_prewarm" in results:
         lines.append(

@@ -105,7 +105,13 @@ class KernelLease:
         self._names = ()
         if old is not None:
             assert self._pool is not None
-            self._conn = await self._pool.replace(old)
+            try:
+                self._conn = await self._pool.replace(old)
+            except BaseException:
+                # No kernel now (e.g. a remote gateway is down): the run that gets the next
+                # kernel reports what was lost.
+                self._lost = (self._lost or []) + lost
+                raise
             await self._attached()
         return lost
 

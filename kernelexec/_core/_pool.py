@@ -19,7 +19,7 @@ from kernelexec._core._run import run_internal
 from kernelexec._core._startup import restart_kernel, start_kernel
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
-from kernelexec._exceptions import ExecutorClosedError, KernelStartError
+from kernelexec._exceptions import ExecutorClosedError, KernelStartError, PoolExhaustedError
 from kernelexec._protocol._host import WARM_TRACEBACKS, ExecuteRequest
 from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLaunch
 
@@ -173,7 +173,8 @@ class KernelPool:
                     break
                 try:
                     conn = await self._start()
-                except (KernelStartError, ExecutorClosedError) as exc:
+                except (KernelStartError, ExecutorClosedError, PoolExhaustedError) as exc:
+                    # PoolExhaustedError: a remote service (a gateway) has no room now.
                     log.warning("prewarming a kernel failed: %s", exc)
                     break
                 try:

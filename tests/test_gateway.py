@@ -1,0 +1,403 @@
+"""The gateway backend against a real jupyter-kernel-gateway on 127.0.0.1 (started and stopped
+here): the same behaviours as local kernels, and the faults of a remote kernel service."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import logging
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+import kernelexec as kx
+from kernelexec.backends import GatewayBackend, get_backend
+from kernelexec.backends._gateway_wire import decode, encode, new_message
+from tests.gateway import SECRET, Gateway, TcpProxy, free_port
+
+pytest.importorskip("kernel_gateway", reason="jupyter-kernel-gateway is not installed")
+pytest.importorskip("websockets", reason="websockets is not installed (kernelexec[gateway])")
+
+EXEC_VAR = "KX_GW_EXEC_VAR"
+
+
+@pytest.fixture(scope="module")
+def gateway() -> Iterator[Gateway]:
+    with Gateway(env_whitelist=(EXEC_VAR,)) as gw:
+        yield gw
+
+
+@pytest.fixture(autouse=True)
+def no_gateway_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every kernel a test started on the shared gateway is gone when it ends."""
+    yield
+    if "gateway" in request.fixturenames:
+        gw: Gateway = request.getfixturevalue("gateway")
+        assert gw.kernels() == [], "kernels left running on the gateway"
+
+
+def backend(gw: Gateway, **options: object) -> GatewayBackend:
+    return GatewayBackend(gw.url, token=gw.token, **options)  # type: ignore[arg-type]
+
+
+def echo_tool() -> kx.Tool:
+    return kx.Tool.from_source(
+        '''
+def echo(value: str) -> dict:
+    """Echo a string and its hash.
+
+    Args:
+        value: Any string.
+    """
+    import hashlib
+    return {"value": value, "sha": hashlib.sha256(value.encode()).hexdigest()}
+'''
+    )
+
+
+# -- the same behaviours as local kernels ---------------------------------------------------
+
+
+def test_state_persists_and_sessions_work_in_their_own_directory(gateway: Gateway) -> None:
+    with kx.KernelExecutor(backend=backend(gateway), default_timeout=30) as ex:
+        a = ex.session("agent-a")
+        assert a.run_code("x = 41").ok
+        assert a.run_code("x + 1").result == "42"
+        assert ex.session("agent-b").run_code("'x' in globals()").result == "False"
+        cwd = a.run_code("import os; open('note.txt', 'w').write('hi'); os.getcwd()").result
+        assert cwd == repr(str(gateway.work / "kernelexec" / "agent-a"))
+        assert (gateway.work / "kernelexec" / "agent-a" / "note.txt").read_text() == "hi"
+        assert str(a.workdir) == "kernelexec/agent-a"
+
+
+NASTY = [
+    "quotes ' \" ''' \"\"\" and backslashes \\ \\\\ \\n \\x00",
+    "NUL \x00 inside, line\u2028separator\u2029, non-BMP \U0001f600 and e\u0301",
+    "\"); import os; os.system('touch /tmp/pwned'); (\"",
+    "x" * 100_000,
+]
+
+
+@pytest.mark.parametrize("offer_v1", [True, False], ids=["v1", "json"])
+def test_tool_arguments_and_results_are_byte_exact(gateway: Gateway, offer_v1: bool) -> None:
+    ident = kx.Tool.from_source("def ident(value):\n    return value\n")
+    value = {
+        "big": 2**200,
+        "float": 0.1 + 0.2,
+        "tiny": 5e-324,
+        "nested": [None, True, False, [], {}, {"k": [1, 2.5, "s"]}],
+    }
+    with kx.KernelExecutor(backend=backend(gateway, offer_v1=offer_v1), default_timeout=30) as ex:
+        for text in NASTY:
+            result = ex.call_tool(echo_tool(), {"value": text})
+            assert result.ok, result.error
+            assert result.func_return == {
+                "value": text,
+                "sha": hashlib.sha256(text.encode()).hexdigest(),
+            }
+        result = ex.call_tool(ident, {"value": value})
+        assert result.func_return == value
+        assert type(result.func_return["big"]) is int
+    assert not Path("/tmp/pwned").exists()
+
+
+def test_timeout_interrupts_and_keeps_state(gateway: Gateway) -> None:
+    with kx.KernelExecutor(backend=backend(gateway), default_timeout=30) as ex:
+        s = ex.session()
+        s.run_code("x = 'kept'")
+        started = threading.Event()
+        r = s.run_code(
+            "print('sleeping', flush=True)\nimport time\ntime.sleep(60)",
+            timeout=2,
+            on_stdout=lambda _: started.set(),
+        )
+        assert started.is_set()
+        assert r.error is not None and r.error.kind == "timeout"
+        assert "state kept" in r.error.evalue
+        assert not r.kernel_restarted
+        assert s.run_code("x").result == "'kept'"
+
+
+@pytest.mark.slow
+def test_kernel_killed_from_inside_is_replaced(gateway: Gateway) -> None:
+    with kx.KernelExecutor(backend=backend(gateway), default_timeout=30) as ex:
+        s = ex.session()
+        s.run_code("x = 1")
+        r = s.run_code("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+        assert r.error is not None and r.error.kind == "kernel_died"
+        assert "the kernel died" in r.error.evalue
+        assert r.kernel_restarted and r.lost_variables == ["x"]
+        assert s.run_code("'x' in globals(), 1 + 1").result == "(False, 2)"
+        assert len(gateway.kernels()) == 1
+
+
+def test_env_scoping(gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KX_GW_HOST_ONLY", "host-secret")
+    probe = "import os; (os.environ.get({!r}), os.environ.get({!r}), os.environ.get({!r}))"
+    code = probe.format("KX_GW_HOST_ONLY", SECRET, EXEC_VAR)
+    with kx.KernelExecutor(
+        backend=backend(gateway), env_vars={EXEC_VAR: "for-kernels"}, default_timeout=30
+    ) as ex:
+        # Neither the host's nor the gateway's own variables reach the kernel; env_vars do.
+        assert ex.run_code(code).result == "(None, None, 'for-kernels')"
+        per_call = ex.run_code(
+            "import os; os.environ['KX_GW_CALL']", env_vars={"KX_GW_CALL": "only now"}
+        )
+        assert per_call.result == "'only now'"
+        assert ex.run_code("import os; 'KX_GW_CALL' in os.environ").result == "False"
+
+
+def test_recording_and_replay(gateway: Gateway, tmp_path: Path) -> None:
+    add = kx.Tool.from_source("def add(a: int, b: int) -> int:\n    return a + b\n")
+    with kx.KernelExecutor(backend=backend(gateway), record_dir=tmp_path, default_timeout=30) as ex:
+        s = ex.session("rec")
+        s.run_code("base = 40\nprint('base set')")
+        assert s.call_tool(add, {"a": 1, "b": 1}).func_return == 2
+        s.run_code("base + 2")
+        path = s.record_path
+    assert path is not None and path.exists()
+    report = kx.replay(path, backend=backend(gateway))
+    assert report.cells_run >= 4
+    assert report.ok, report.differences
+
+
+def test_two_executors_share_one_gateway(gateway: Gateway) -> None:
+    with (
+        kx.KernelExecutor(backend=backend(gateway), default_timeout=30) as one,
+        kx.KernelExecutor(backend=backend(gateway), workdir="second", default_timeout=30) as two,
+    ):
+        one.run_code("who = 'one'")
+        two.run_code("who = 'two'")
+        cwd = "import os; os.getcwd()"
+        assert one.run_code(cwd).result == repr(str(gateway.work / "kernelexec" / "default"))
+        assert two.run_code(cwd).result == repr(str(gateway.work / "second" / "default"))
+        pids = {ex.run_code("import os; os.getpid()").result for ex in (one, two)}
+        assert one.run_code("who").result == "'one'"
+        assert two.run_code("who").result == "'two'"
+        assert len(pids) == 2
+        assert len(gateway.kernels()) == 2
+
+
+def test_backend_by_name_and_its_checks(gateway: Gateway) -> None:
+    options = {"url": gateway.url, "token": gateway.token}
+    with kx.KernelExecutor(backend="gateway", backend_options=options) as ex:
+        assert ex.run_code("1 + 1").result == "2"
+        assert len(gateway.kernels()) == 1
+    with pytest.raises(kx.ConfigError, match="cannot run a VenvEnv"):
+        kx.KernelExecutor(backend=backend(gateway), env=kx.VenvEnv(requirements=("six",)))
+    with pytest.raises(kx.ConfigError, match="token"):
+        get_backend("gateway", url=f"{gateway.url}/?token={gateway.token}")
+    with pytest.raises(kx.ConfigError, match="http"):
+        GatewayBackend("ftp://127.0.0.1:1")
+    assert gateway.token not in repr(backend(gateway))
+
+
+def test_a_token_over_plain_http_to_another_host_warns(caplog: pytest.LogCaptureFixture) -> None:
+    GatewayBackend("http://gateway.invalid:8888", token="s3cret-token")
+    GatewayBackend("https://gateway.invalid:8888", token="s3cret-token")
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "clear text" in warnings[0]
+    assert "s3cret-token" not in warnings[0]
+
+
+@pytest.mark.anyio
+async def test_pool_prewarms_and_culls_on_the_gateway(gateway: Gateway) -> None:
+    async with kx.AsyncKernelExecutor(
+        backend=backend(gateway), prewarm=1, idle_timeout=0.5, default_timeout=30
+    ) as ex:
+        await ex.warm_up()
+        assert len(gateway.kernels()) == 1  # warm before any session asked
+        s = await ex.session("pooled")
+        await s.run_code("x = 1")
+        assert s.has_kernel
+        deadline = time.monotonic() + 30
+        while s.has_kernel and time.monotonic() < deadline:  # noqa: ASYNC110 (no event to await)
+            await asyncio.sleep(0.05)  # waiting for the culling task's effect, not a duration
+        assert not s.has_kernel
+        r = await s.run_code("2")
+        assert r.kernel_restarted and r.lost_variables == ["x"]
+
+
+# -- faults ---------------------------------------------------------------------------------
+
+
+def test_wrong_or_missing_token_is_refused_without_showing_it(
+    gateway: Gateway, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    wrong = "not-the-token-" + gateway.token[:8]
+    with (
+        kx.KernelExecutor(backend=GatewayBackend(gateway.url, token=wrong)) as ex,
+        pytest.raises(kx.ConfigError, match="refused the token") as info,
+    ):
+        ex.run_code("1")
+    assert wrong not in str(info.value) and gateway.url in str(info.value)
+    with (
+        kx.KernelExecutor(backend=GatewayBackend(gateway.url)) as ex,
+        pytest.raises(kx.ConfigError, match="requires a token"),
+    ):
+        ex.run_code("1")
+    with kx.KernelExecutor(backend=backend(gateway)) as ex:  # websockets logs its handshake
+        assert ex.run_code("1").ok
+    assert any("Authorization" in r.getMessage() for r in caplog.records)
+    assert all(
+        wrong not in r.getMessage() and gateway.token not in r.getMessage() for r in caplog.records
+    )
+
+
+def test_unknown_kernelspec_is_a_short_clear_error(gateway: Gateway) -> None:
+    with (
+        kx.KernelExecutor(backend=backend(gateway, kernel_name="no-such-spec")) as ex,
+        pytest.raises(kx.KernelStartError, match="could not start kernel 'no-such-spec'") as info,
+    ):
+        ex.run_code("1")
+    assert "Traceback" not in str(info.value) and len(str(info.value)) < 600
+
+
+def test_kernelspecs_are_part_of_the_fingerprint(gateway: Gateway) -> None:
+    one = kx.KernelExecutor(backend=backend(gateway))
+    other = kx.KernelExecutor(backend=backend(gateway, kernel_name="py-other"))
+    assert one.fingerprint != other.fingerprint
+    one.close()
+    other.close()
+
+
+def test_a_message_over_max_message_bytes_is_a_clear_death(gateway: Gateway) -> None:
+    with kx.KernelExecutor(
+        backend=backend(gateway, max_message_bytes=50_000), default_timeout=30
+    ) as ex:
+        assert ex.run_code("x = 1; print('small')").ok
+        r = ex.run_code("print('z' * 100_000)")
+        assert r.error is not None and r.error.kind == "kernel_died"
+        assert "larger than max_message_bytes=50000" in r.error.evalue
+        assert r.kernel_restarted and r.lost_variables == ["x"]
+        assert ex.run_code("1 + 1").result == "2"
+
+
+def test_unreachable_gateway_names_the_url() -> None:
+    url = f"http://127.0.0.1:{free_port()}"
+    with (
+        kx.KernelExecutor(backend=GatewayBackend(url, token="t")) as ex,
+        pytest.raises(kx.KernelStartError, match="unreachable") as info,
+    ):
+        ex.run_code("1")
+    assert url in str(info.value)
+
+
+@pytest.mark.slow
+def test_kernel_deleted_behind_our_back(gateway: Gateway) -> None:
+    with kx.KernelExecutor(backend=backend(gateway), default_timeout=30) as ex:
+        s = ex.session()
+        s.run_code("x = 1")
+        (kernel,) = gateway.kernels()
+        gateway.delete_kernel(kernel["id"])
+        r = s.run_code("x")
+        # The code had not reached the deleted kernel: it ran on a fresh one, which says so.
+        assert r.kernel_restarted and r.lost_variables == ["x"]
+        assert r.error is not None and r.error.ename == "NameError"
+        assert s.run_code("2 + 2").result == "4"
+
+
+def test_websocket_dropped_mid_call_reconnects_and_finishes(gateway: Gateway) -> None:
+    proxy = TcpProxy(gateway.port)
+    try:
+        with kx.KernelExecutor(
+            backend=GatewayBackend(proxy.url, token=gateway.token), default_timeout=30
+        ) as ex:
+            s = ex.session()
+            s.run_code("x = 7")
+            r = s.run_code(
+                "import time\nprint('before', flush=True)\ntime.sleep(1)\nprint('after')\nx * 6",
+                on_stdout=lambda text: proxy.cut() if "before" in text else None,
+            )
+            assert r.ok, r.error
+            assert r.stdout == "before\nafter\n"
+            assert r.result == "42" and not r.kernel_restarted
+            assert proxy.accepted >= 2  # it really reconnected
+    finally:
+        proxy.close()
+
+
+@pytest.mark.slow
+def test_gateway_stopped_mid_session_and_back() -> None:
+    with Gateway() as gw:
+        be = GatewayBackend(gw.url, token=gw.token, reconnect_timeout=1)
+        with kx.KernelExecutor(backend=be, default_timeout=30) as ex:
+            s = ex.session()
+            s.run_code("x = 1")
+            gw.stop()
+            with pytest.raises(kx.KernelStartError, match="unreachable") as info:
+                s.run_code("x")
+            assert gw.url in str(info.value)
+            gw.start()
+            r = s.run_code("'x' in globals()")
+            assert r.result == "False"
+            assert r.kernel_restarted and r.lost_variables == ["x"]
+            assert gw.kernels() != []
+        assert gw.kernels() == []
+
+
+@pytest.fixture(scope="module")
+def strict_gateway() -> Iterator[Gateway]:
+    """A gateway with Kernel Gateway's output rate limit on and room for one kernel."""
+    with Gateway(rate_limit=10_000, max_kernels=1) as gw:
+        yield gw
+
+
+def test_output_dropped_by_the_gateway_is_reported_truncated(strict_gateway: Gateway) -> None:
+    gw = strict_gateway
+    with kx.KernelExecutor(
+        backend=backend(gw), max_output_chars=1_000_000, default_timeout=30
+    ) as ex:
+        r = ex.run_code("print('y' * 200_000)\n'done'")
+        assert r.ok and r.result == "'done'"
+        assert "y" * 1000 not in r.stdout
+        assert "[kernelexec: output truncated: the gateway dropped output" in r.stderr
+
+
+def test_gateway_kernel_limit_is_pool_exhausted(strict_gateway: Gateway) -> None:
+    gw = strict_gateway
+    with (
+        kx.KernelExecutor(backend=backend(gw), default_timeout=30) as one,
+        kx.KernelExecutor(backend=backend(gw), default_timeout=30) as two,
+    ):
+        assert one.run_code("1").ok
+        with pytest.raises(kx.PoolExhaustedError, match="Resource Limit"):
+            two.run_code("1")
+    assert gw.kernels() == []
+
+
+# -- the wire format and the optional dependency ---------------------------------------------
+
+
+@pytest.mark.parametrize("v1", [True, False])
+def test_frames_round_trip_with_buffers(v1: bool) -> None:
+    msg = new_message("s", "u", "comm_msg", {"data": {"k": "\u2028"}}, {"m": 1})
+    msg["parent_header"] = {"msg_id": "p1"}
+    buffers = (b"\x00\x01binary", b"")
+    decoded = decode(encode(msg, "iopub", buffers, v1), v1)
+    assert decoded is not None
+    msg_id, got = decoded
+    assert msg_id == msg["header"]["msg_id"]
+    assert (got.channel, got.msg_type, got.parent_id) == ("iopub", "comm_msg", "p1")
+    assert got.content == {"data": {"k": "\u2028"}}
+    assert got.buffers == buffers
+    plain = decode(encode(msg, "shell", (), v1), v1)
+    assert plain is not None and plain[1].buffers == ()
+
+
+@pytest.mark.parametrize("frame", [b"", b"\xff" * 40, "not json", "[]", '{"channel": "stdin"}'])
+def test_garbage_frames_are_dropped(frame: str | bytes) -> None:
+    assert decode(frame, True) is None
+    assert decode(frame, False) is None
+
+
+def test_importing_backends_does_not_import_websockets() -> None:
+    code = "import sys, kernelexec.backends; print('websockets' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
