@@ -87,6 +87,8 @@ class Execution(BaseModel):
         duration_s: Wall-clock seconds from sending the request to having the whole result.
         kernel_restarted: True when this run cost the session its kernel state.
         lost_variables: When state was lost, the user variable names that existed before.
+        widgets_dropped: How many ipywidgets the code displayed. No frontend renders them
+            here, so ``outputs`` holds only their text fallback.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -101,6 +103,7 @@ class Execution(BaseModel):
     duration_s: float = 0.0
     kernel_restarted: bool = False
     lost_variables: list[str] = Field(default_factory=list)
+    widgets_dropped: int = 0
 
     @property
     def ok(self) -> bool:

@@ -17,6 +17,9 @@ from kernelexec.backends._base import KernelMessage
 
 OutputCallback = Callable[[Any], Awaitable[None] | None]
 
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+"""An ipywidget's view: it means something only to a frontend connected to that kernel's comms."""
+
 
 @dataclass
 class Callbacks:
@@ -44,6 +47,7 @@ class Collected:
     result: str | None = None
     error: dict[str, Any] | None = None
     execution_count: int | None = None
+    widgets_dropped: int = 0
 
 
 class OutputCollector:
@@ -93,6 +97,7 @@ class OutputCollector:
             self.out.execution_count = content.get("execution_count")
             self.out.result = str(output.get("data", {}).get("text/plain", ""))
         if kind in ("display_data", "execute_result"):
+            self._drop_widget(output)
             self._bound_display(output)
             display_id = (content.get("transient") or {}).get("display_id")
             if display_id:
@@ -124,6 +129,15 @@ class OutputCollector:
             outputs.append({"output_type": "stream", "name": name, "text": text})
         hook = self.callbacks.on_stdout if name == "stdout" else self.callbacks.on_stderr
         await self.callbacks.emit(hook, text)
+
+    def _drop_widget(self, output: dict[str, Any]) -> None:
+        data = output.get("data") or {}
+        if WIDGET_MIME in data:
+            # The widget's model lives in the sandbox kernel and nobody holds its comm: the
+            # view would render as an error, so keep the text fallback and say so.
+            del data[WIDGET_MIME]
+            data.setdefault("text/plain", "<ipywidget>")
+            self.out.widgets_dropped += 1
 
     def _bound_display(self, output: dict[str, Any]) -> None:
         data = output.get("data") or {}
