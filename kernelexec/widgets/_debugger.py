@@ -83,6 +83,7 @@ class ToolDebugger(w.VBox):
         self.picker = w.Dropdown(description="tool", options=list(self._tools))
         self.description = w.HTML("")
         self.form = SchemaForm({})
+        self._forms: dict[str, SchemaForm] = {}
         self._form_box = w.VBox([])
         self.agent_state = Field("agent_state", {"description": "the agent state (JSON)"}, False)
         self.env_vars = Field(
@@ -158,7 +159,7 @@ class ToolDebugger(w.VBox):
         return self._tools[self.picker.value]
 
     def select(self, name: str) -> None:
-        """Pick the tool called ``name`` (the form is rebuilt with its defaults).
+        """Pick the tool called ``name``; its form holds what it held when last shown.
 
         Raises:
             ConfigError: no tool has that name.
@@ -247,6 +248,9 @@ class ToolDebugger(w.VBox):
 
     def close(self) -> None:
         """Close the widget; a debugger that started its own executor shuts it down."""
+        if "_worker" not in self.__dict__:  # __init__ refused its arguments
+            super().close()
+            return
         if self.busy:
             with contextlib.suppress(KernelExecError):
                 self._session().interrupt()
@@ -262,7 +266,10 @@ class ToolDebugger(w.VBox):
 
     def _picked(self, change: dict[str, Any]) -> None:
         tool = self._tools[change["new"]]
-        self.form = SchemaForm(tool.parameters_schema)
+        form = self._forms.get(tool.name)
+        if form is None:
+            form = self._forms[tool.name] = SchemaForm(tool.parameters_schema)
+        self.form = form
         self._form_box.children = [self.form]
         self.description.value = f"<p>{html.escape(tool.description)}</p>"
         self.agent_state.box.layout.display = None if tool.takes_agent_state else "none"

@@ -121,7 +121,9 @@ class Field:
     def show_problem(self, text: str) -> None:
         """Show ``text`` under the field (``""`` clears it)."""
         self.problem.value = (
-            f'<span style="color:#c62828">&#9888; {html.escape(text)}</span>' if text else ""
+            f'<span style="color:#c62828">&#9888; {html.escape(text, quote=False)}</span>'
+            if text
+            else ""
         )
 
 
@@ -169,13 +171,13 @@ class NumberField(Field):
         return self.input.value
 
     def _write(self, value: Any) -> None:
-        if value is UNSET:
-            value = 0
+        low, high = getattr(self.input, "min", None), getattr(self.input, "max", None)
+        if value is UNSET:  # a required number starts at 0, or the nearest bound
+            value = min(max(0, low if low is not None else 0), high if high is not None else 0)
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError("not a number")
         if isinstance(self.input, (w.IntText, w.BoundedIntText)) and not float(value).is_integer():
             raise TypeError("not an integer")
-        low, high = getattr(self.input, "min", None), getattr(self.input, "max", None)
         if (low is not None and value < low) or (high is not None and value > high):
             raise ValueError(f"outside [{low}, {high}]")
         self.input.value = value
@@ -328,7 +330,9 @@ class SchemaForm(w.VBox):
             field.show_problem(problems.get(name, ""))
         text = "; ".join(general or [])
         self.general.value = (
-            f'<span style="color:#c62828">&#9888; {html.escape(text)}</span>' if text else ""
+            f'<span style="color:#c62828">&#9888; {html.escape(text, quote=False)}</span>'
+            if text
+            else ""
         )
 
     def show_schema_problems(self, messages: list[str]) -> None:
