@@ -154,7 +154,7 @@ def test_every_schema_type_maps_to_a_field_and_back() -> None:
         }
         assert problems == {"items": "required", "options": "required"}
         with pytest.raises(kx.ConfigError, match="argument 'items': required"):
-            dbg.args
+            _ = dbg.args
         values = {
             "text": 'quote " and \\ and \u2028',
             "count": -7,
@@ -219,12 +219,12 @@ def test_bounds_enums_and_bad_values() -> None:
         assert isinstance(dbg.form.fields["x"].input, w.BoundedFloatText)
         dbg.set_args({"n": 5, "x": 0.5, "pick": None})
         assert dbg.args == {"n": 5, "x": 0.5, "pick": None}
-        with pytest.raises(kx.ConfigError, match="argument 'n'.*outside"):
+        with pytest.raises(kx.ConfigError, match=r"argument 'n'.*outside"):
             dbg.set_args({"n": 6, "x": 1.0, "pick": 1})
         assert dbg.args == {"n": 5, "x": 0.5, "pick": None}  # unchanged after the refusal
-        with pytest.raises(kx.ConfigError, match="argument 'pick'.*not one of"):
+        with pytest.raises(kx.ConfigError, match=r"argument 'pick'.*not one of"):
             dbg.set_args({"n": 1, "x": 1.0, "pick": "three"})
-        with pytest.raises(kx.ConfigError, match="unknown argument.*'zzz'"):
+        with pytest.raises(kx.ConfigError, match=r"unknown argument.*'zzz'"):
             dbg.set_args({"zzz": 1})
         with pytest.raises(kx.ConfigError, match="no tool named 'nope'"):
             dbg.select("nope")
@@ -249,7 +249,7 @@ def test_bad_input_shows_next_to_the_field_and_runs_nothing(dbg: ToolDebugger) -
     )
     fields["options"].input.value = '{"unclosed": '
     with pytest.raises(kx.ConfigError, match="argument 'options': invalid JSON"):
-        bad.args
+        _ = bad.args
     bad.run_button.click()
     assert "invalid JSON" in fields["options"].problem.value
     assert fields["items"].problem.value == ""
@@ -386,7 +386,7 @@ def test_tools_from_a_notebook_and_bad_arguments() -> None:
         dbg.close()
     with pytest.raises(kx.ConfigError, match="no tools"):
         ToolDebugger([])
-    with pytest.raises(TypeError, match="kernelexec.Tool"):
+    with pytest.raises(TypeError, match=r"kernelexec\.Tool"):
         ToolDebugger(["add"])  # type: ignore[list-item]
     with pytest.raises(TypeError, match="KernelExecutor"):
         ToolDebugger(_tools(TOOLS_SOURCE), executor=object())  # type: ignore[arg-type]
