@@ -96,16 +96,16 @@ class ToolDebugger(w.VBox):
             max=1e9,
             style={"description_width": "12em"},
         )
-        self.run_button = w.Button(description="Run", button_style="primary", icon="play")
-        self.interrupt_button = w.Button(description="Interrupt", icon="stop", disabled=True)
-        self.restart_button = w.Button(description="Restart", icon="refresh")
+        self.run_button = w.Button(description="Run", button_style="primary")
+        self.interrupt_button = w.Button(description="Interrupt", disabled=True)
+        self.restart_button = w.Button(description="Restart")
         self.status = w.HTML("idle")
         self.output = w.Output()
         self.summary = w.HTML("")
         self.history_view = HistoryView(self._load)
         self.variables_view = VariablesView()
         self.export_path = w.Text(description="export to", value=f"{safe_filename(agent_id)}.ipynb")
-        self.export_button = w.Button(description="Export notebook", icon="download")
+        self.export_button = w.Button(description="Export notebook")
         self.export_status = w.HTML("")
 
         self.run_button.on_click(lambda _b: self._start())

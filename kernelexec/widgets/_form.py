@@ -58,6 +58,8 @@ class Field:
         self.help = w.HTML(f"<small>{help_text}</small>" if help_text.strip() else "")
         self.problem = w.HTML("")
         self.problem.add_class("kx-problem")
+        for line in (self.help, self.problem):  # under the input, past its label
+            line.layout.margin = "0 0 0 12.5em"
         self.box = w.VBox([self.input, self.help, self.problem])
         self.reset()
 

@@ -46,7 +46,7 @@ def summary_html(result: ToolResult) -> str:
     if result.ok:
         value = json.dumps(result.func_return, indent=2, ensure_ascii=False)
         text += f"<pre class='kx-return'>{html.escape(value)}</pre>"
-    return f"<div class='kx-summary'>{text}</div>"
+    return f"<div class='kx-result'>{text}</div>"
 
 
 def result_outputs(result: ToolResult) -> tuple[dict[str, Any], ...]:
