@@ -19,7 +19,7 @@ OWNER_FILE = ".owner"
 _swept = False
 
 
-def _start_time(pid: int) -> str:
+def process_start_time(pid: int) -> str:
     """The process start time (clock ticks since boot) on Linux, else ''."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -28,21 +28,25 @@ def _start_time(pid: int) -> str:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def _alive(pid: int, start: str) -> bool:
+def process_alive(pid: int, start: str) -> bool:
+    """Whether process ``pid`` runs and is the one that started at ``start`` (if given)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return not start or _start_time(pid) in ("", start)  # a reused pid has another start time
+    return not start or process_start_time(pid) in (
+        "",
+        start,
+    )  # a reused pid has another start time
 
 
 def make_owned_dir(prefix: str) -> str:
     """``tempfile.mkdtemp(prefix=...)`` (mode 0700) with an ``.owner`` file naming this process."""
     path = tempfile.mkdtemp(prefix=prefix)
     pid = os.getpid()
-    Path(path, OWNER_FILE).write_text(f"{pid} {_start_time(pid)}\n")
+    Path(path, OWNER_FILE).write_text(f"{pid} {process_start_time(pid)}\n")
     return path
 
 
@@ -66,7 +70,7 @@ def sweep_stale(root: str | None = None) -> list[str]:
                 continue
             parts = Path(entry.path, OWNER_FILE).read_text().split()
             pid, start = int(parts[0]), (parts[1] if len(parts) > 1 else "")
-            if not _alive(pid, start):
+            if not process_alive(pid, start):
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(entry.path)
     return removed

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kernelexec._cli._attach import add_parsers, cmd_attach, cmd_sessions
 from kernelexec._cli._progress import ProgressDisplay
 from kernelexec._envs._builder import EnvBuilder, list_envs, prune_envs
 from kernelexec._envs._envs import VenvEnv, default_cache_dir
@@ -109,6 +110,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--record", metavar="DIR", default="kernelexec-demo", help="where the notebook goes"
     )
+    add_parsers(sub)
     return parser
 
 
@@ -308,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
         "replay": _cmd_replay,
         "tools": _cmd_tools,
         "env": _cmd_env,
+        "sessions": cmd_sessions,
+        "attach": cmd_attach,
     }
     try:
         if ns.command == "demo":

@@ -11,6 +11,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from kernelexec._config import ExecutorConfig, make_config
+from kernelexec._core._attach import SessionRegistration
 from kernelexec._core._budget import KernelBudget
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import OutputCallback
@@ -267,7 +268,10 @@ class AsyncKernelExecutor:
                 path = Path(cfg.record_dir) / f"{name}.ipynb"
             recorder = SessionRecorder(agent_id, path, fingerprint, env.model_dump(mode="json"))
         workdir = self._session_dir(agent_id)
-        lease = KernelLease(agent_id, lambda: self._pool_for(env), str(workdir))
+        registration = None
+        if cfg.attachable:
+            registration = SessionRegistration(agent_id, fingerprint, self.backend.name)
+        lease = KernelLease(agent_id, lambda: self._pool_for(env), str(workdir), registration)
         self._budget.register(lease)
         session = AsyncSession(
             agent_id,
@@ -280,6 +284,7 @@ class AsyncKernelExecutor:
             max_output_chars=cfg.max_output_chars,
             max_result_chars=cfg.max_result_chars,
             recorder=recorder,
+            observers=(registration,) if registration is not None else (),
         )
         self._sessions[(agent_id, fingerprint)] = session
         return session
