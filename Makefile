@@ -29,6 +29,7 @@ check: $(STAMP)
 	$(BIN)/ruff check kernelexec tests benchmarks
 	$(BIN)/ruff format --check kernelexec tests benchmarks
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench.py

@@ -410,3 +410,10 @@ def test_a_widget_a_tool_displays_leaves_its_text_fallback(dbg: ToolDebugger) ->
             "data": {"text/plain": "IntSlider(value=4)"},
         }
     ]
+
+
+def test_widgets_public_names() -> None:
+    import kernelexec.widgets as kw
+
+    assert kw.__all__ == sorted(kw.__all__) == ["SchemaForm", "ToolDebugger"]
+    assert all(getattr(kw, name).__doc__ for name in kw.__all__)
