@@ -19,7 +19,7 @@ OWNER_FILE = ".owner"
 _swept = False
 
 
-def process_start_time(pid: int) -> str:
+def _start_time(pid: int) -> str:
     """The process start time (clock ticks since boot) on Linux, else ''."""
     try:
         stat = Path(f"/proc/{pid}/stat").read_text()
@@ -28,25 +28,21 @@ def process_start_time(pid: int) -> str:
     return stat.rsplit(")", 1)[1].split()[19]
 
 
-def process_alive(pid: int, start: str) -> bool:
-    """Whether process ``pid`` runs and is the one that started at ``start`` (if given)."""
+def _alive(pid: int, start: str) -> bool:
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
         return True
-    return not start or process_start_time(pid) in (
-        "",
-        start,
-    )  # a reused pid has another start time
+    return not start or _start_time(pid) in ("", start)  # a reused pid has another start time
 
 
 def make_owned_dir(prefix: str) -> str:
     """``tempfile.mkdtemp(prefix=...)`` (mode 0700) with an ``.owner`` file naming this process."""
     path = tempfile.mkdtemp(prefix=prefix)
     pid = os.getpid()
-    Path(path, OWNER_FILE).write_text(f"{pid} {process_start_time(pid)}\n")
+    Path(path, OWNER_FILE).write_text(f"{pid} {_start_time(pid)}\n")
     return path
 
 
@@ -70,7 +66,7 @@ def sweep_stale(root: str | None = None) -> list[str]:
                 continue
             parts = Path(entry.path, OWNER_FILE).read_text().split()
             pid, start = int(parts[0]), (parts[1] if len(parts) > 1 else "")
-            if not process_alive(pid, start):
+            if not _alive(pid, start):
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(entry.path)
     return removed
@@ -83,3 +79,13 @@ def sweep_once() -> list[str]:
         return []
     _swept = True
     return sweep_stale()
+
+
+def process_start_time(pid: int) -> str:
+    """The start token of process ``pid`` (as written in owner files), or ''."""
+    return _start_time(pid)
+
+
+def process_alive(pid: int, start: str) -> bool:
+    """Whether process ``pid`` runs and is the one that started at ``start`` (if given)."""
+    return _alive(pid, start)

@@ -6,9 +6,11 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import stat
 import subprocess
 import sys
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -47,7 +49,10 @@ class Host:
             env=env,
         )
         assert self.proc.stdout is not None
-        assert self.proc.stdout.readline() == "READY\n"
+        line = self.proc.stdout.readline()
+        if line != "READY\n":
+            self.close()
+            pytest.fail(f"the agent process did not start: {line!r}")
 
     def run(self, code: str) -> kx.Execution:
         assert self.proc.stdin is not None and self.proc.stdout is not None
@@ -56,18 +61,28 @@ class Host:
         return kx.Execution.model_validate_json(self.proc.stdout.readline())
 
     def close(self) -> None:
-        if self.proc.stdin is not None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
             self.proc.stdin.close()
-        self.proc.wait(60)
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
+        try:
+            self.proc.wait(60)
+        finally:
+            if self.proc.poll() is None:
+                self.proc.kill()
+                self.proc.wait(10)
+            if self.proc.stdout is not None:
+                self.proc.stdout.close()
 
 
 @pytest.fixture
-def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> dict[str, str]:
+def env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, str]]:
     runtime = tmp_path / "runtime"
     monkeypatch.setenv("KERNELEXEC_RUNTIME_DIR", str(runtime))
-    return {**os.environ, "KERNELEXEC_RUNTIME_DIR": str(runtime)}
+    # The agent process's kernels keep their sockets in a short private dir of their own.
+    tmp = tempfile.mkdtemp(prefix="kxa-", dir="/tmp")
+    try:
+        yield {**os.environ, "KERNELEXEC_RUNTIME_DIR": str(runtime), "TMPDIR": tmp}
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 @pytest.fixture

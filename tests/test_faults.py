@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import kernelexec as kx
-from kernelexec._tempdirs import OWNER_FILE, process_start_time, sweep_stale
+from kernelexec._tempdirs import OWNER_FILE, _start_time, sweep_stale
 
 # 5. timeouts -------------------------------------------------------------------------------
 
@@ -285,7 +285,7 @@ def test_stale_dirs_of_dead_owners_are_swept(tmp_path: Path) -> None:
     cases = {
         "kx-dead": f"{dead.pid} 1\n",  # owner gone
         "kernelexec-reused": f"{os.getpid()} 999999999\n",  # pid alive, but another process
-        "kx-alive": f"{os.getpid()} {process_start_time(os.getpid())}\n",
+        "kx-alive": f"{os.getpid()} {_start_time(os.getpid())}\n",
         "kx-unowned": None,  # not made by this version: left alone
         "other-dead": f"{dead.pid} 1\n",  # not ours by name
     }
