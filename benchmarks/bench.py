@@ -26,6 +26,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 import kernelexec as kx
 
 ADD_SOURCE = '''
@@ -123,23 +125,19 @@ async def timed(n: int, fn: Callable[[], Awaitable[Any]]) -> list[float]:
 
 
 def rss_kib(pid: int) -> int:
+    """Resident set size of ``pid`` in KiB (0 if it is gone)."""
     try:
-        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+        return int(psutil.Process(pid).memory_info().rss // 1024)
+    except psutil.Error:
+        return 0
 
 
 def pss_kib(pid: int) -> int:
+    """Proportional set size of ``pid`` in KiB (shared pages split among their users)."""
     try:
-        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
-            if line.startswith("Pss:"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
+        return int(getattr(psutil.Process(pid).memory_full_info(), "pss", 0) // 1024)
+    except psutil.Error:
+        return 0
 
 
 def log(text: str) -> None:

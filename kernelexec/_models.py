@@ -1,4 +1,4 @@
-"""Values that cross kernelexec's API: results of runs and the executor's configuration.
+"""Values that cross kernelexec's API: run results, their errors, and the record observers get.
 
 Result models are shaped after nbformat (``outputs`` are nbformat v4 output dicts) so that
 recording a run as a notebook cell is a mapping, not a translation.

@@ -19,9 +19,9 @@ from anyio.from_thread import BlockingPortal, start_blocking_portal
 from kernelexec._core._executor import DEFAULT_AGENT, AsyncKernelExecutor
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._session import AsyncSession
+from kernelexec._core._state import Lifecycle
 from kernelexec._envs._builder import ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
-from kernelexec._exceptions import ExecutorClosedError
 from kernelexec._models import Execution, ToolResult
 from kernelexec._notebooks._replay import ReplayReport, areplay
 from kernelexec._tools._tool import Tool
@@ -35,17 +35,16 @@ class _Portal:
 
     def __init__(self) -> None:
         self._cm: AbstractContextManager[BlockingPortal] = start_blocking_portal("asyncio")
-        self.portal: BlockingPortal | None = self._cm.__enter__()
+        self.portal = self._cm.__enter__()
+        self._state = Lifecycle("the executor", opened=True)
 
     def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
-        if self.portal is None:
-            raise ExecutorClosedError("the executor is closed")
+        self._state.check()
         result: T = self.portal.call(lambda: fn(*args, **kwargs))
         return result
 
     def stop(self) -> None:
-        if self.portal is not None:
-            self.portal = None
+        if self._state.close():
             self._cm.__exit__(None, None, None)
 
 

@@ -11,8 +11,11 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
+
+import psutil
 
 PREFIXES = ("kx-", "kernelexec-")
 OWNER_FILE = ".owner"
@@ -20,22 +23,27 @@ _swept = False
 
 
 def _start_time(pid: int) -> str:
-    """The process start time (clock ticks since boot) on Linux, else ''."""
+    """A token for when the process started, or '' if it is gone.
+
+    On Linux it is the start time in clock ticks since boot: the token earlier kernelexec
+    versions wrote (from ``/proc``), so that two versions on one machine agree on which owners
+    are alive and never sweep each other's live directories.
+    """
     try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
+        created = psutil.Process(pid).create_time()
+    except (psutil.Error, OSError):
         return ""
-    return stat.rsplit(")", 1)[1].split()[19]
+    if sys.platform.startswith("linux"):
+        return str(round((created - psutil.boot_time()) * os.sysconf("SC_CLK_TCK")))
+    return repr(created)
 
 
 def _alive(pid: int, start: str) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+    """Whether the process ``pid`` that started at ``start`` still runs (a reused pid has
+    another start time)."""
+    if not psutil.pid_exists(pid):
         return False
-    except PermissionError:
-        return True
-    return not start or _start_time(pid) in ("", start)  # a reused pid has another start time
+    return not start or _start_time(pid) in ("", start)
 
 
 def make_owned_dir(prefix: str) -> str:

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import os
+import select
 import shutil
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 import kernelexec as kx
@@ -33,19 +35,13 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 def kernel_children() -> set[int]:
     """Pids of ipykernel processes whose parent is this test process."""
-    me = str(os.getpid())
     found = set()
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
+    for child in psutil.Process().children():
         try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
+            if "ipykernel" in " ".join(child.cmdline()):
+                found.add(child.pid)
+        except psutil.Error:
             continue
-        ppid = stat.rsplit(")", 1)[1].split()[1]
-        if ppid == me and b"ipykernel_launcher" in cmdline:
-            found.add(int(entry.name))
     return found
 
 
@@ -100,3 +96,38 @@ def _add(a: int, b: int = 2) -> int:
 @pytest.fixture
 def add_tool() -> kx.Tool:
     return kx.Tool.from_function(_add)
+
+
+def wait_exited(pid: int, timeout: float = 15.0) -> bool:
+    """Wait until process ``pid`` has exited (a zombie counts), without reaping it.
+
+    Event-driven where Linux has pidfds (the fd turns readable when the process ends); else
+    psutil's own wait. Returns whether it exited within ``timeout``.
+    """
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return True
+    except (AttributeError, OSError):
+        try:
+            psutil.Process(pid).wait(timeout)
+        except psutil.NoSuchProcess:
+            return True
+        except psutil.TimeoutExpired:
+            return False
+        return True
+    try:
+        readable, _, _ = select.select([fd], [], [], timeout)
+        return bool(readable)
+    finally:
+        os.close(fd)
+
+
+def kernels_matching(text: str) -> list[psutil.Process]:
+    """Every ipykernel process on the machine whose command line contains ``text``."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = " ".join(proc.info["cmdline"] or [])
+        if "ipykernel" in cmdline and text in cmdline:
+            found.append(proc)
+    return found

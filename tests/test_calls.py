@@ -408,16 +408,21 @@ def test_every_kind_of_output_arrives_before_the_result(executor: kx.KernelExecu
         "    sys.stderr.write('err-partial')\n"
         "    os.write(1, b'fd-level\\n')\n"
         "    subprocess.run(['echo', 'from-child'], check=True)\n"
+        # Last, a tail the capture thread cannot forward yet: it holds ipykernel's buffer lock
+        # until the function returns, so the tail is still in the pipe when the run ends,
+        # every time, and arrives only if the run waits for it.
+        "    with sys.stdout._buffer_lock:\n"
+        "        os.write(1, b'z' * 60_000 + b'|end\\n')\n"
         "    return 7\n"
     )
     tool = kx.Tool.from_source(source)
     session = executor.session("noisy")
-    for _ in range(20):  # a race would show as a missing piece in some runs
-        result = session.call_tool(tool)
-        assert result.func_return == 7
-        assert result.stdout.startswith("partial")
-        assert "fd-level\n" in result.stdout and "from-child\n" in result.stdout
-        assert result.stderr == "err-partial"
+    result = session.call_tool(tool)
+    assert result.func_return == 7
+    assert result.stdout.startswith("partial")
+    assert "fd-level\n" in result.stdout and "from-child\n" in result.stdout
+    assert result.stdout.endswith("z" * 60_000 + "|end\n")
+    assert result.stderr == "err-partial"
     code = session.run_code("print('a', end=''); import sys; sys.stdout.write('b'); 1")
     assert code.stdout == "ab" and code.result == "1"
 

@@ -160,15 +160,13 @@ async def test_concurrent_builds_in_one_process_build_once(wheel_dir: Path, tmp_
 
 def test_concurrent_builds_in_two_processes_build_once(wheel_dir: Path, tmp_path: Path) -> None:
     wheel = make_wheel(wheel_dir, "kxrace", "1.0", "VERSION = '1.0'\n")
-    go = tmp_path / "go"
     # Both processes import kernelexec first, then start building at the same moment.
     script = textwrap.dedent(
         f"""
-        import os, sys, time
+        import sys
         from kernelexec._cli._main import main
         sys.stderr.write("ready\\n"); sys.stderr.flush()
-        while not os.path.exists({str(go)!r}):
-            time.sleep(0.002)
+        sys.stdin.readline()  # the go signal, sent to both at once
         sys.exit(main(["env", "build", "kxrace @ file://{wheel}", "--json"]))
         """
     )
@@ -176,6 +174,7 @@ def test_concurrent_builds_in_two_processes_build_once(wheel_dir: Path, tmp_path
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", script],
+            stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -185,7 +184,10 @@ def test_concurrent_builds_in_two_processes_build_once(wheel_dir: Path, tmp_path
     ]
     for proc in procs:
         assert proc.stderr is not None and proc.stderr.readline() == "ready\n"
-    go.touch()
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
     outs = [p.communicate(timeout=300) for p in procs]
     assert [p.returncode for p in procs] == [0, 0], outs
     results = [json.loads(out) for out, _ in outs]

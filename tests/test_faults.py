@@ -8,13 +8,13 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
 
 import kernelexec as kx
 from kernelexec._tempdirs import OWNER_FILE, _start_time, sweep_stale
+from tests.conftest import wait_exited
 
 # 5. timeouts -------------------------------------------------------------------------------
 
@@ -22,15 +22,14 @@ from kernelexec._tempdirs import OWNER_FILE, _start_time, sweep_stale
 def test_interruptible_timeout_keeps_state(executor: kx.KernelExecutor) -> None:
     s = executor.session("timeout-soft")
     s.run_code("kept = [1, 2, 3]")
-    start = time.monotonic()
     result = s.run_code("import time\nprint('started')\ntime.sleep(60)", timeout=1.0)
-    elapsed = time.monotonic() - start
     assert result.error is not None
     assert result.error.kind == "timeout"
     assert "state kept" in result.error.evalue
     assert result.kernel_restarted is False
     assert result.stdout == "started\n"
-    assert elapsed < 1.0 + 5.0
+    assert result.error.ename == "TimeoutError"
+    assert result.error.evalue == "timed out after 1 s; interrupted, kernel state kept"
     assert s.run_code("kept").result == "[1, 2, 3]"
 
 
@@ -49,14 +48,12 @@ def test_code_ignoring_interrupt_is_restarted_and_names_lost_state() -> None:
     with kx.KernelExecutor(interrupt_grace=0.5) as ex:
         s = ex.session("stuck")
         s.run_code("precious = 1\ndef helper(): pass")
-        start = time.monotonic()
         result = s.call_tool(spin, {}, timeout=1.0)
-        elapsed = time.monotonic() - start
         assert result.error is not None
         assert result.error.kind == "timeout"
         assert result.kernel_restarted is True
         assert result.lost_variables == ["helper", "precious"]
-        assert elapsed < 1.0 + 0.5 + 5.0
+        assert "did not stop when interrupted" in result.error.evalue
         after = s.run_code("'precious' in globals(), 6 * 7")
         assert after.ok and after.result == "(False, 42)"
         assert after.kernel_restarted is False
@@ -79,11 +76,9 @@ def test_kernel_death_is_reported_and_replaced(
 ) -> None:
     s = executor.session(f"death-{reason}")
     s.run_code("before = 1")
-    start = time.monotonic()
     result = s.run_code(code, timeout=30)
-    assert time.monotonic() - start < 5.0  # noticed by polling the process, not a timeout
     assert result.error is not None
-    assert result.error.kind == "kernel_died"
+    assert result.error.kind == "kernel_died"  # noticed as a death, not as a timeout
     assert reason in result.error.evalue
     assert result.kernel_restarted is True
     assert result.lost_variables == ["before"]
@@ -104,15 +99,7 @@ def test_kernel_killed_between_calls_is_noticed(executor: kx.KernelExecutor) -> 
     pid = int(s.run_code("import os; os.getpid()").result or 0)
     s.run_code("y = 2")
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:  # wait for the process to be gone, not a fixed sleep
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            break
-        with open(f"/proc/{pid}/stat") as fh:
-            if fh.read().rsplit(")", 1)[1].split()[0] == "Z":
-                break
+    assert wait_exited(pid)
     result = s.run_code("'y' in globals()")
     assert result.ok, result.error
     assert result.result == "False"
@@ -296,3 +283,13 @@ def test_stale_dirs_of_dead_owners_are_swept(tmp_path: Path) -> None:
     removed = sweep_stale(str(tmp_path))
     assert sorted(Path(p).name for p in removed) == ["kernelexec-reused", "kx-dead"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["kx-alive", "kx-unowned", "other-dead"]
+
+
+@pytest.mark.skipif(
+    not sys.platform.startswith("linux"), reason="the earlier token came from /proc"
+)
+def test_owner_token_is_the_one_earlier_versions_wrote() -> None:
+    # Two kernelexec versions on one machine must agree on which owners are alive, or each
+    # sweeps the other's live kernel directories.
+    stat = Path(f"/proc/{os.getpid()}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    assert _start_time(os.getpid()) == stat

@@ -10,7 +10,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +20,7 @@ from nbclient import NotebookClient
 import kernelexec as kx
 from kernelexec._notebooks._io import call_source, safe_filename
 from kernelexec._notebooks._replay import output_lines
+from tests.conftest import kernels_matching, wait_exited
 
 TOOL_V1 = textwrap.dedent(
     '''
@@ -321,7 +321,11 @@ HOST_SCRIPT = textwrap.dedent(
         for i in range(3):
             ex.run_code(f"value_{i} = {i}; print({i})", agent_id="crash")
         print("recorded", flush=True)
-        ex.run_code("import time; time.sleep(60)", agent_id="crash")
+        ex.run_code(
+            "import os, time; print('under way', os.getpid(), flush=True); time.sleep(60)",
+            agent_id="crash",
+            on_stdout=lambda text: print(text, end="", flush=True),
+        )
     """
 )
 
@@ -339,7 +343,9 @@ def test_host_killed_mid_session_leaves_the_completed_runs(tmp_path: Path) -> No
     try:
         assert host.stdout is not None
         assert host.stdout.readline() == "recorded\n"
-        time.sleep(0.5)  # the fourth run is under way
+        under_way, pid = host.stdout.readline().rsplit(" ", 1)
+        assert under_way == "under way"  # the fourth run is in the kernel
+        kernel_pid = int(pid)
         host.send_signal(signal.SIGKILL)
         host.wait(10)
     finally:
@@ -354,10 +360,8 @@ def test_host_killed_mid_session_leaves_the_completed_runs(tmp_path: Path) -> No
     # No temp file of an interrupted save; the lock file of the dead recorder is free again.
     assert sorted(p.name for p in record_dir.iterdir()) == [".crash.ipynb.lock", "crash.ipynb"]
     # The orphaned kernel notices its parent is gone and exits (ipykernel's parent poller).
-    deadline = time.monotonic() + 15
-    while time.monotonic() < deadline and _kernels_under(tmp):
-        time.sleep(0.2)
-    assert not _kernels_under(tmp)
+    assert wait_exited(kernel_pid)
+    assert not kernels_matching(str(tmp))
     # The killed host's temporary directories are swept by the next kernelexec process.
     left = sorted(p.name.split("-")[0] for p in tmp.iterdir())
     assert left == ["kernelexec", "kx"]
@@ -370,19 +374,6 @@ def test_host_killed_mid_session_leaves_the_completed_runs(tmp_path: Path) -> No
     )
     assert after.returncode == 0, after.stderr
     assert list(tmp.iterdir()) == []
-
-
-def _kernels_under(tmp: Path) -> list[int]:
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                cmdline = (entry / "cmdline").read_bytes()
-            except OSError:
-                continue
-            if b"ipykernel_launcher" in cmdline and str(tmp).encode() in cmdline:
-                found.append(int(entry.name))
-    return found
 
 
 def test_tools_round_trip_from_notebook_to_json_and_back(tmp_path: Path) -> None:

@@ -4,7 +4,6 @@ the kernel budget, the background tasks and the agents' sessions."""
 from __future__ import annotations
 
 import asyncio
-import enum
 import os
 import shutil
 from pathlib import Path, PurePath, PurePosixPath
@@ -17,10 +16,11 @@ from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._pool import KernelPool
 from kernelexec._core._session import AsyncSession
+from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
 from kernelexec._envs._builder import EnvBuilder, ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
-from kernelexec._exceptions import ConfigError, ExecutorClosedError
+from kernelexec._exceptions import ConfigError
 from kernelexec._models import Execution, ToolResult
 from kernelexec._notebooks._io import safe_filename
 from kernelexec._notebooks._recording import SessionRecorder
@@ -34,12 +34,6 @@ from kernelexec.backends._registry import get_backend
 DEFAULT_AGENT = "default"
 
 Env = LocalEnv | VenvEnv
-
-
-class _State(enum.Enum):
-    UNOPENED = "unopened"
-    OPEN = "open"
-    CLOSED = "closed"
 
 
 def kernel_env(config: ExecutorConfig) -> dict[str, str]:
@@ -83,7 +77,7 @@ class AsyncKernelExecutor:
         self.backend = _resolve_backend(backend, backend_options)
         self._check_env(self.config.env)
         self.builder = EnvBuilder(self.config.cache_dir, self.config.installer, on_progress)
-        self._state = _State.UNOPENED
+        self._state = Lifecycle("the executor")
         self._sessions: dict[tuple[str, str], AsyncSession] = {}
         self._dirs_used: set[str] = set()
         self._pools: dict[str, KernelPool] = {}
@@ -135,9 +129,8 @@ class AsyncKernelExecutor:
 
     async def start(self) -> None:
         """Open the executor (start prewarming). Called by ``async with`` and on first use."""
-        if self._state is _State.CLOSED:
-            raise ExecutorClosedError("the executor is closed")
-        if self._state is _State.OPEN:
+        self._state.check()
+        if self._state.is_open:
             return
         cfg = self.config
         if self.backend.host_filesystem:
@@ -158,7 +151,7 @@ class AsyncKernelExecutor:
                 raise ConfigError(f"record_dir {cfg.record_dir}: {exc.strerror}") from None
         await self._supervisor.start()
         self._budget.open()
-        self._state = _State.OPEN
+        self._state.open()
         if isinstance(cfg.env, LocalEnv):
             self._new_pool(self.fingerprint, self._launch(cfg.env, None), cfg.prewarm)
 
@@ -190,8 +183,7 @@ class AsyncKernelExecutor:
             if isinstance(env, VenvEnv):
                 built = await self.builder.ensure(env)
                 interpreter = str(built.python)
-            if self._state is not _State.OPEN:
-                raise ExecutorClosedError("the executor is closed")
+            self._state.check()
             if prewarm is None:
                 prewarm = self.config.prewarm if env == self.env else 0
             return self._new_pool(fingerprint, self._launch(env, interpreter), prewarm)
@@ -249,8 +241,7 @@ class AsyncKernelExecutor:
         if env is not None and not isinstance(env, LocalEnv | VenvEnv):
             raise TypeError(f"env must be a LocalEnv or VenvEnv, not {type(env).__name__}")
         await self.start()
-        if self._state is not _State.OPEN:
-            raise ExecutorClosedError("the executor is closed")
+        self._state.check()
         env = env or self.env
         fingerprint = self.fingerprint_of(env)
         existing = self._sessions.get((agent_id, fingerprint))
@@ -366,9 +357,8 @@ class AsyncKernelExecutor:
             BackgroundTaskError: background work failed while the executor ran (everything
                 is shut down first).
         """
-        if self._state is _State.CLOSED:
+        if not self._state.close():
             return
-        self._state = _State.CLOSED
         sessions = list(self._sessions.values())
         self._sessions.clear()
         for session in sessions:

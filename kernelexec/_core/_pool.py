@@ -17,6 +17,7 @@ from collections import deque
 from kernelexec._core._budget import KernelBudget
 from kernelexec._core._run import run_internal
 from kernelexec._core._startup import restart_kernel, start_kernel
+from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
 from kernelexec._exceptions import ExecutorClosedError, KernelStartError
 from kernelexec._protocol._host import WARM_TRACEBACKS, ExecuteRequest
@@ -54,7 +55,7 @@ class KernelPool:
         self._starting = 0
         self._refilling = False
         self._changed = asyncio.Condition()
-        self._closed = False
+        self._state = Lifecycle("the executor", opened=True)
 
     @property
     def size(self) -> int:
@@ -69,20 +70,22 @@ class KernelPool:
         """Wait until ``prewarm`` kernels are warm (or no more can be started)."""
         async with self._changed:
             await self._changed.wait_for(
-                lambda: len(self._warm) >= self._prewarm or not self._refilling or self._closed
+                lambda: (
+                    len(self._warm) >= self._prewarm or not self._refilling or self._state.closed
+                )
             )
 
     async def acquire(self) -> KernelConnection:
         """A ready kernel for a session: a warm one, one being warmed, or a new one."""
         while True:
-            self._check_open()
+            self._state.check()
             if self._warm:
                 conn = self._warm.popleft()
                 break
             if self._refilling:
                 async with self._changed:
                     await self._changed.wait_for(
-                        lambda: bool(self._warm) or not self._refilling or self._closed
+                        lambda: bool(self._warm) or not self._refilling or self._state.closed
                     )
                 continue
             await self._budget.reserve()
@@ -96,7 +99,7 @@ class KernelPool:
 
     async def replace(self, conn: KernelConnection) -> KernelConnection:
         """Swap a session's broken or stuck kernel for a fresh one (state is lost)."""
-        self._check_open()
+        self._state.check()
         if self._warm:
             fresh = self._warm.popleft()
             self._in_use.add(fresh)
@@ -122,7 +125,7 @@ class KernelPool:
 
     async def aclose(self) -> None:
         """Shut every kernel of this environment down."""
-        self._closed = True
+        self._state.close()
         conns = [*self._warm, *self._in_use]
         self._warm.clear()
         self._in_use.clear()
@@ -134,9 +137,8 @@ class KernelPool:
 
     # -- internals ---------------------------------------------------------------------------
 
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ExecutorClosedError("the executor is closed")
+    def _warm_enough(self) -> bool:
+        return len(self._warm) >= self._prewarm or not self._refilling or self._state.closed
 
     async def _start(self) -> KernelConnection:
         """Start one kernel; the caller has reserved it in the budget."""
@@ -150,14 +152,14 @@ class KernelPool:
             raise
         finally:
             self._starting -= 1
-        if self._closed:
+        if self._state.closed:
             await conn.shutdown()
             self._budget.release()
-            self._check_open()
+            self._state.check()
         return conn
 
     def _kick_refill(self, delay: float = 0.0) -> None:
-        if self._closed or self._refilling or len(self._warm) >= self._prewarm:
+        if self._state.closed or self._refilling or len(self._warm) >= self._prewarm:
             return
         self._refilling = True
         self._supervisor.spawn("prewarming", lambda: self._refill(delay))
@@ -166,7 +168,7 @@ class KernelPool:
         try:
             if delay:
                 await asyncio.sleep(delay)
-            while not self._closed and len(self._warm) < self._prewarm:
+            while not self._state.closed and len(self._warm) < self._prewarm:
                 if not self._budget.try_reserve():
                     break
                 try:

@@ -11,14 +11,15 @@ from __future__ import annotations
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePath
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from nbformat import NotebookNode
 
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
-from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
+from kernelexec._core._state import Lifecycle
+from kernelexec._exceptions import EnvSetupError
 from kernelexec._models import ExecError, Execution, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._protocol import _host as protocol
@@ -76,7 +77,7 @@ class AsyncSession:
             (recorder, *observers) if recorder is not None else observers
         )
         self._on_close = on_close
-        self._closed = False
+        self._state = Lifecycle(f"session {agent_id!r}", opened=True)
 
     # -- public API -------------------------------------------------------------------------
 
@@ -133,25 +134,13 @@ class AsyncSession:
         request = protocol.code_request(code, env_vars)
         callbacks = Callbacks(on_stdout, on_stderr, on_display)
         async with self._lease.hold():
-            self._check_open()
+            self._state.check()
             started = now_iso()
             result, report, generation = await self._execute(request, timeout, callbacks)
             execution = Execution(**result)
-            if self._observers:
-                await self._observe(
-                    RunRecord(
-                        kind="code",
-                        agent_id=self.agent_id,
-                        result=execution,
-                        code=code,
-                        ran=_ran(execution),
-                        started=started,
-                        finished=now_iso(),
-                        timeout_s=timeout,
-                        kernel_generation=generation,
-                        language_info=report.language_info if report else None,
-                    )
-                )
+            await self._observe(
+                "code", execution, started, timeout, generation, report, {"code": code}
+            )
         return execution
 
     async def call_tool(
@@ -189,7 +178,7 @@ class AsyncSession:
             problems.append(problem)
         recording = self._recorder is not None
         async with self._lease.hold():
-            self._check_open()
+            self._state.check()
             started = now_iso()
             if problems:
                 error = ExecError(
@@ -222,23 +211,8 @@ class AsyncSession:
                             agent_state, report.result["agent_state"]
                         )
                 full = ToolResult(**fields)
-            if self._observers:
-                await self._observe(
-                    RunRecord(
-                        kind="tool_call",
-                        agent_id=self.agent_id,
-                        result=full,
-                        tool=tool,
-                        args=args,
-                        agent_state=agent_state,
-                        ran=_ran(full),
-                        started=started,
-                        finished=now_iso(),
-                        timeout_s=timeout,
-                        kernel_generation=generation,
-                        language_info=report.language_info if report else None,
-                    )
-                )
+            call = {"tool": tool, "args": args, "agent_state": agent_state}
+            await self._observe("tool_call", full, started, timeout, generation, report, call)
         if not recording:
             return full
         # The return value was displayed only for the notebook; the result is the same whether
@@ -253,7 +227,7 @@ class AsyncSession:
         attached) and is not recorded. Reprs are cut at 120 characters.
         """
         async with self._lease.hold():
-            self._check_open()
+            self._state.check()
             conn = self._lease.connection
             if conn is None:
                 return {}
@@ -264,7 +238,7 @@ class AsyncSession:
 
     async def interrupt(self) -> None:
         """Interrupt whatever the kernel is running now (the running call gets the error)."""
-        self._check_open()
+        self._state.check()
         conn = self._lease.connection
         if conn is not None:
             await conn.interrupt()
@@ -272,7 +246,7 @@ class AsyncSession:
     async def restart(self) -> None:
         """Replace the kernel with a fresh one now; all state is lost."""
         async with self._lease.hold():
-            self._check_open()
+            self._state.check()
             if self._lease.has_kernel:
                 await self._lease.lose_state()
 
@@ -285,17 +259,12 @@ class AsyncSession:
 
     def mark_closed(self) -> None:
         """Refuse further calls and let the observers go (used by the executor)."""
-        if self._closed:
+        if not self._state.close():
             return
-        self._closed = True
         for observer in self._observers:
             observer.close()
 
     # -- internals ---------------------------------------------------------------------------
-
-    def _check_open(self) -> None:
-        if self._closed:
-            raise ExecutorClosedError(f"session {self.agent_id!r} is closed")
 
     def _check_timeout(self, timeout: float | None) -> float:
         timeout = self._timeout if timeout is None else timeout
@@ -303,7 +272,32 @@ class AsyncSession:
             raise ValueError(f"timeout must be positive, got {timeout}")
         return timeout
 
-    async def _observe(self, record: RunRecord) -> None:
+    async def _observe(
+        self,
+        kind: Literal["code", "tool_call"],
+        result: Execution,
+        started: str,
+        timeout: float,
+        generation: int,
+        report: protocol.Report | None,
+        what: dict[str, Any],
+    ) -> None:
+        """Hand the finished run to every observer, in order (nothing is built without one)."""
+        if not self._observers:
+            return
+        record = RunRecord(
+            kind=kind,
+            agent_id=self.agent_id,
+            result=result,
+            ran=result.error is None
+            or result.error.kind not in ("invalid_args", "env_setup_failed"),
+            started=started,
+            finished=now_iso(),
+            timeout_s=timeout,
+            kernel_generation=generation,
+            language_info=report.language_info if report else None,
+            **what,
+        )
         for observer in self._observers:
             await observer.run_finished(record)
 
@@ -405,10 +399,6 @@ class AsyncSession:
 def _not_run(error: ExecError) -> dict[str, Any]:
     """Result fields of a run that never reached a kernel."""
     return {"status": "error", "error": error, "outputs": [], "stdout": "", "stderr": ""}
-
-
-def _ran(result: Execution) -> bool:
-    return result.error is None or result.error.kind not in ("invalid_args", "env_setup_failed")
 
 
 def _env_problem(env_vars: Any) -> str | None:

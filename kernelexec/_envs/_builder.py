@@ -142,25 +142,22 @@ class EnvBuilder:
             if (target / ENV_INFO).exists():
                 return self._reused(fingerprint, target, start)
             target.parent.mkdir(parents=True, exist_ok=True)
-            file_lock = filelock.FileLock(
-                str(target.parent / f".{target.name}.lock"), thread_local=False
+            # Across processes too. filelock's async lock is cancellation-safe (measured: a
+            # cancelled acquire returns at once and leaves the lock free for the next owner).
+            file_lock = filelock.AsyncFileLock(
+                str(target.parent / f".{target.name}.lock"), poll_interval=0.1
             )
-            waited = False
-            while True:  # ... and across processes; polled so that cancellation works
-                try:
-                    file_lock.acquire(timeout=0)
-                    break
-                except filelock.Timeout:
-                    if not waited:
-                        self._emit(fingerprint, "waiting", "another build holds the lock", start)
-                        waited = True
-                    await asyncio.sleep(0.1)
+            try:
+                await file_lock.acquire(timeout=0)
+            except filelock.Timeout:
+                self._emit(fingerprint, "waiting", "another build holds the lock", start)
+                await file_lock.acquire()
             try:
                 if (target / ENV_INFO).exists():
                     return self._reused(fingerprint, target, start)
                 await self._build(env, fingerprint, target, start)
             finally:
-                file_lock.release()
+                await file_lock.release()
         built = _built_env(fingerprint, target, True, start)
         self._emit(fingerprint, "done", f"built {target} in {built.seconds:.1f} s", start)
         return built

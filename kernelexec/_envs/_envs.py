@@ -11,6 +11,8 @@ import importlib.metadata
 import os
 import subprocess
 import sys
+import urllib.parse
+import urllib.request
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
@@ -99,13 +101,20 @@ def normalise_requirement(line: str) -> str:
 
 
 def _local_file(requirement: str) -> Path | None:
-    if requirement.startswith("/") and os.path.isfile(requirement):
-        return Path(requirement)
-    if " @ file://" in requirement:
-        candidate = requirement.split(" @ file://", 1)[1].split(";", 1)[0].strip()
-        if os.path.isfile(candidate):
-            return Path(candidate)
-    return None
+    """The local file a normalised requirement names (a path, or ``name @ file://...``)."""
+    if requirement.startswith("/"):
+        return Path(requirement) if os.path.isfile(requirement) else None
+    try:
+        url = Requirement(requirement).url
+    except InvalidRequirement:
+        return None
+    if not url:
+        return None
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme != "file":
+        return None
+    candidate = urllib.request.url2pathname(parsed.path)
+    return Path(candidate) if os.path.isfile(candidate) else None
 
 
 class LocalEnv(BaseModel):
