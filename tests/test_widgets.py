@@ -417,3 +417,22 @@ def test_widgets_public_names() -> None:
 
     assert kw.__all__ == sorted(kw.__all__) == ["SchemaForm", "ToolDebugger"]
     assert all(getattr(kw, name).__doc__ for name in kw.__all__)
+
+
+def test_rich_outputs_reach_the_output_area_and_close_closes_everything() -> None:
+    source = (
+        "def page(title: str) -> str:\n"
+        '    """Show HTML."""\n'
+        "    from IPython.display import HTML, display\n"
+        "    display(HTML(f'<h1>{title}</h1>'))\n"
+        "    return title\n"
+    )
+    dbg = ToolDebugger([kx.Tool.from_source(source)])
+    dbg.set_args({"title": "Report"})
+    assert dbg.run().ok
+    (shown,) = dbg.output.outputs
+    assert shown["output_type"] == "display_data"
+    assert shown["data"]["text/html"] == "<h1>Report</h1>"
+    field = dbg.form.fields["title"].input
+    dbg.close()
+    assert field.comm is None and dbg.output.comm is None  # no widget left open

@@ -257,6 +257,9 @@ class ToolDebugger(w.VBox):
         self._worker.shutdown(wait=True)
         if self._owns_executor:
             self.executor.close()
+        parts = [*self._forms.values(), self.agent_state.box, self.env_vars.box]
+        for widget in _descendants([*self.children, *parts]):
+            widget.close()  # each holds a comm in the notebook's kernel until closed
         super().close()
 
     # -- internals --------------------------------------------------------------------------
@@ -401,6 +404,18 @@ class ToolDebugger(w.VBox):
             f"wrote <code>{html.escape(str(path))}</code>: "
             f"<code>kernelexec replay {html.escape(str(path))}</code> re-runs it"
         )
+
+
+def _descendants(roots: list[Any]) -> list[Any]:
+    found: dict[int, Any] = {}
+    todo = list(roots)
+    while todo:
+        widget = todo.pop()
+        if id(widget) in found:
+            continue
+        found[id(widget)] = widget
+        todo.extend(getattr(widget, "children", ()))
+    return list(found.values())
 
 
 def _tool_map(tools: Any) -> dict[str, Tool]:
