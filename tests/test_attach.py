@@ -19,11 +19,13 @@ import pytest
 
 import kernelexec as kx
 from kernelexec._cli._main import main
+from kernelexec._tempdirs import process_start_time
 
 HOST = """
 import json, sys
 import kernelexec as kx
 from kernelexec._cli._main import main
+from kernelexec._tempdirs import process_start_time
 
 with kx.KernelExecutor(attachable=True) as ex:
     ex.run_code("x = 41", agent_id="agent-7")
@@ -197,3 +199,27 @@ def test_attach_refuses_what_it_cannot_find(
     )
     assert json.loads(kernelexec(capsys, "sessions", "--json")[1]) == []
     assert list(registry.iterdir()) == []
+
+
+def test_attach_says_which_session_when_it_cannot_choose(
+    env: dict[str, str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    registry = Path(env["KERNELEXEC_RUNTIME_DIR"]) / "sessions"
+    registry.mkdir(parents=True)
+    me = {"host_pid": os.getpid(), "host_start": process_start_time(os.getpid())}
+    entries = {
+        "a": {"agent_id": "twin", "fingerprint": "aaaa1111", "connection_file": "/x", **me},
+        "b": {"agent_id": "twin", "fingerprint": "bbbb2222", "connection_file": "/y", **me},
+        "c": {"agent_id": "idle", "fingerprint": "cccc3333", "connection_file": None, **me},
+    }
+    for name, entry in entries.items():
+        (registry / f"{name}.json").write_text(json.dumps({**entry, "started": name}))
+    status, _, err = kernelexec(capsys, "attach", "twin")
+    assert status == 2
+    assert "2 sessions of agent 'twin': choose with --host-pid" in err
+    assert "--fingerprint aaaa1111" in err and "--fingerprint bbbb2222" in err
+    status, _, err = kernelexec(capsys, "attach", "idle")
+    assert status == 2 and "has no kernel right now" in err
+    status, out, _ = kernelexec(capsys, "sessions")
+    assert [line.split()[0] for line in out.splitlines()] == ["AGENT", "twin", "twin", "idle"]
+    assert out.splitlines()[3].split()[2] == "-"  # no kernel pid

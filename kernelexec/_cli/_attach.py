@@ -49,9 +49,15 @@ def cmd_sessions(ns: argparse.Namespace) -> int:
     for e in found:
         kernel = str(e["kernel_pid"]) if e.get("kernel_pid") else "-"
         rows.append(
-            (e["agent_id"], e["fingerprint"][:12], kernel, str(e["host_pid"]), e["started"][:19],
-             str(e["calls"]))
-        )  # fmt: skip
+            (
+                str(e.get("agent_id", "?")),
+                str(e.get("fingerprint", "?"))[:12],
+                kernel,
+                str(e.get("host_pid", "?")),
+                str(e.get("started", "?"))[:19],
+                str(e.get("calls", "?")),
+            )
+        )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     for row in rows:
         print(
