@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -17,6 +19,22 @@ from pydantic import (
 from kernelexec._envs._envs import Env, LocalEnv
 from kernelexec._exceptions import ConfigError
 from kernelexec._models import DEFAULT_ENV_ALLOWLIST
+
+
+def valid_timeout(value: Any, what: str = "timeout", *, zero: bool = False) -> float:
+    """``value`` as seconds, if it is a finite positive number (``zero``: or 0).
+
+    Refused: ``bool`` (``True`` is not one second), strings, NaN (every comparison with it is
+    false, so it would mean no timeout at all), infinities and negative numbers.
+
+    Raises:
+        ConfigError: naming ``what`` and the value.
+    """
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if ok and (value > 0 or (zero and value == 0)):
+        return float(value)
+    need = "a finite number >= 0" if zero else "a finite positive number"
+    raise ConfigError(f"{what} must be {need} of seconds, got {value!r}")
 
 
 class ExecutorConfig(BaseModel):
@@ -72,6 +90,25 @@ class ExecutorConfig(BaseModel):
     installer: Literal["auto", "uv", "pip"] = "auto"
     record_dir: Path | None = None
     attachable: bool = False
+
+    @field_validator(
+        "default_timeout",
+        "interrupt_grace",
+        "output_grace",
+        "start_timeout",
+        "idle_timeout",
+        mode="before",
+    )
+    @classmethod
+    def _seconds(cls, value: Any, info: ValidationInfo) -> Any:
+        if value is None and info.field_name == "idle_timeout":
+            return None
+        try:
+            return valid_timeout(
+                value, "seconds", zero=info.field_name in ("interrupt_grace", "output_grace")
+            )
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
 
     @field_validator("workdir", "record_dir", "cache_dir")
     @classmethod

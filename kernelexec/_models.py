@@ -23,6 +23,7 @@ ErrorKind = Literal[
     "invalid_tool",
     "result_too_large",
     "env_setup_failed",
+    "cancelled",
 ]
 
 DEFAULT_ENV_ALLOWLIST: tuple[str, ...] = (
@@ -58,7 +59,9 @@ class ExecError(BaseModel):
             (the return value or agent state is over ``max_result_chars`` as JSON),
             ``env_setup_failed``
             (its virtual environment could not be built; ``evalue`` ends with the installer's
-            output). Only kernelexec's own checks set the kinds other than ``exception``;
+            output), ``cancelled`` (the caller cancelled the call: seen only in recordings,
+            since the caller got ``CancelledError``). Only kernelexec's own checks set the
+            kinds other than ``exception``;
             an exception's class name never does.
         ename: Exception class name (e.g. ``"ValueError"``).
         evalue: Exception message.
@@ -87,6 +90,12 @@ class Execution(BaseModel):
         duration_s: Wall-clock seconds from sending the request to having the whole result.
         kernel_restarted: True when this run cost the session its kernel state.
         lost_variables: When state was lost, the user variable names that existed before.
+        lost_outputs: Output messages the kernel sent that never arrived (the transport
+            dropped them while the host fell behind); ``stdout`` then ends with a
+            ``[kernelexec: N output messages ... lost ...]`` marker. 0 when all arrived.
+        recording_error: Why this run could not be saved to the session's recording file
+            (``None`` when it was saved, or nothing is recorded to a file). The notebook stays
+            complete in memory and the next save writes it whole.
         widgets_dropped: How many ipywidgets the code displayed. No frontend renders them
             here, so ``outputs`` holds only their text fallback.
     """
@@ -103,6 +112,8 @@ class Execution(BaseModel):
     duration_s: float = 0.0
     kernel_restarted: bool = False
     lost_variables: list[str] = Field(default_factory=list)
+    lost_outputs: int = 0
+    recording_error: str | None = None
     widgets_dropped: int = 0
 
     @property

@@ -165,7 +165,10 @@ class KernelExecutor:
             backend=backend, backend_options=backend_options, on_progress=on_progress, **config
         )
         self._portal = _Portal()
-        self._sessions: dict[tuple[str, str], Session] = {}
+        # Weak: a wrapper lives as long as its caller holds it (the core forgets sessions too).
+        self._sessions: weakref.WeakValueDictionary[tuple[str, str], Session] = (
+            weakref.WeakValueDictionary()
+        )
         self._finalizer = weakref.finalize(self, _shutdown, self._portal, self._async)
 
     @property

@@ -206,7 +206,11 @@ def test_forged_and_badly_signed_messages_are_ignored(executor: kx.KernelExecuto
     s = executor.session("forged")
     result = s.run_code(code)
     assert result.ok, result.error
-    assert result.stdout == "real\n"
+    assert result.stdout.startswith("real\n")
+    assert "BADSIG" not in result.stdout and "OTHER" not in result.stdout
+    # The kernel's session did send the badly signed message for this run; the host refused
+    # it, and says one message did not arrive.
+    assert result.lost_outputs == 1
     assert s.run_code("2 + 2").result == "4"
 
 

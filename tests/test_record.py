@@ -440,3 +440,27 @@ def test_bad_tool_cells_name_the_cell(tmp_path: Path) -> None:
     (tmp_path / "text.ipynb").write_text("hello")
     with pytest.raises(kx.NotebookError, match="not a readable notebook"):
         kx.Tool.from_notebook(tmp_path / "text.ipynb")
+
+
+# 7 (hostile probe). a failed save is on the result, and the next save retries ----------------
+
+
+def test_a_failed_save_is_on_the_result_and_the_next_save_retries(tmp_path: Path) -> None:
+    record_dir = tmp_path / "rec"
+    with kx.KernelExecutor(record_dir=record_dir) as ex:
+        first = ex.run_code("a = 1", agent_id="s")
+        assert first.recording_error is None
+        shutil.rmtree(record_dir)  # the disk "fails": nowhere to write
+        failed = ex.run_code("b = 2", agent_id="s")
+        assert failed.ok
+        assert failed.recording_error is not None
+        assert str(record_dir / "s.ipynb") in failed.recording_error
+        record_dir.mkdir()
+        again = ex.run_code("c = 3", agent_id="s")
+        assert again.recording_error is None
+    cells = nbformat.read(record_dir / "s.ipynb", as_version=4).cells
+    assert [c.source for c in cells] == ["a = 1", "b = 2", "c = 3"]
+
+
+def test_no_recording_means_no_recording_error(executor: kx.KernelExecutor) -> None:
+    assert executor.run_code("1", agent_id="unrecorded").recording_error is None

@@ -16,6 +16,7 @@ from typing import Any
 
 from kernelexec._cli._attach import add_parsers, cmd_attach, cmd_sessions
 from kernelexec._cli._progress import ProgressDisplay
+from kernelexec._config import valid_timeout
 from kernelexec._envs._builder import EnvBuilder, list_envs, prune_envs
 from kernelexec._envs._envs import VenvEnv, default_cache_dir
 from kernelexec._exceptions import ConfigError, EnvSetupError, KernelExecError
@@ -30,9 +31,19 @@ class UsageError(Exception):
     """Bad command-line input; exit status 2."""
 
 
+def _seconds(text: str) -> float:
+    """``--timeout``: a finite positive number of seconds (argparse exits 2 otherwise)."""
+    try:
+        return valid_timeout(float(text))
+    except (ValueError, ConfigError):
+        raise argparse.ArgumentTypeError(
+            f"must be a finite positive number of seconds, got {text!r}"
+        ) from None
+
+
 def _executor_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--agent", default="default", help="agent (session) id")
-    p.add_argument("--timeout", type=float, default=None, help="seconds before interrupting")
+    p.add_argument("--timeout", type=_seconds, default=None, help="seconds before interrupting")
     p.add_argument("--json", action="store_true", help="print the result as JSON only")
     p.add_argument(
         "--record", metavar="DIR", default=None, help="record the run in DIR/AGENT.ipynb"
@@ -80,7 +91,12 @@ def _parser() -> argparse.ArgumentParser:
 
     replay = sub.add_parser("replay", help="re-run a recorded notebook and report differences")
     replay.add_argument("notebook")
-    replay.add_argument("--timeout", type=float, default=60.0, help="seconds per unrecorded cell")
+    replay.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=None,
+        help="seconds per cell: for unrecorded ones (default 60), and the cap on recorded ones",
+    )
     replay.add_argument("--json", action="store_true", help="print the report as JSON only")
 
     tools = sub.add_parser("tools", help="tools authored in notebooks")
@@ -240,7 +256,10 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
     from kernelexec._sync import replay
 
     print(f"replaying {ns.notebook} in a fresh kernel", file=sys.stderr)
-    report = replay(ns.notebook, default_timeout=ns.timeout)
+    if ns.timeout is None:
+        report = replay(ns.notebook)
+    else:
+        report = replay(ns.notebook, default_timeout=ns.timeout, max_timeout=ns.timeout)
     if ns.json:
         print(report.model_dump_json())
     else:

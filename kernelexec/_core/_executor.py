@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import os
 import shutil
+import weakref
+from collections import OrderedDict
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
@@ -32,6 +34,7 @@ from kernelexec.backends._local import LocalBackend
 from kernelexec.backends._registry import get_backend
 
 DEFAULT_AGENT = "default"
+_MAX_REMEMBERED_LOSSES = 1_024
 
 Env = LocalEnv | VenvEnv
 
@@ -78,7 +81,16 @@ class AsyncKernelExecutor:
         self._check_env(self.config.env)
         self.builder = EnvBuilder(self.config.cache_dir, self.config.installer, on_progress)
         self._state = Lifecycle("the executor")
+        # Sessions by (agent id, fingerprint). A session whose kernel was evicted is only
+        # weakly held ("parked"): kept while its caller holds it, forgotten otherwise, so the
+        # executor's memory is bounded by live sessions, not by every agent ever seen.
         self._sessions: dict[tuple[str, str], AsyncSession] = {}
+        self._parked: weakref.WeakValueDictionary[tuple[str, str], AsyncSession] = (
+            weakref.WeakValueDictionary()
+        )
+        self._finalizers: dict[tuple[str, str], weakref.finalize[Any, Any]] = {}
+        # What forgotten sessions lost, told to their agent's next session (bounded).
+        self._lost_by_agent: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
         self._dirs_used: set[str] = set()
         self._pools: dict[str, KernelPool] = {}
         self._pool_locks: dict[str, asyncio.Lock] = {}
@@ -201,9 +213,11 @@ class AsyncKernelExecutor:
 
     @property
     def sessions(self) -> dict[str, AsyncSession]:
-        """The open sessions of the default environment by agent id (a copy)."""
+        """The open sessions of the default environment by agent id (a copy); a session whose
+        kernel was evicted is listed while its caller still holds it."""
         default = self.fingerprint
-        return {agent: s for (agent, fp), s in self._sessions.items() if fp == default}
+        known = [*self._parked.items(), *self._sessions.items()]
+        return {agent: s for (agent, fp), s in known if fp == default}
 
     @property
     def kernel_count(self) -> int:
@@ -244,7 +258,8 @@ class AsyncKernelExecutor:
         self._state.check()
         env = env or self.env
         fingerprint = self.fingerprint_of(env)
-        existing = self._sessions.get((agent_id, fingerprint))
+        key = (agent_id, fingerprint)
+        existing = self._sessions.get(key) or self._parked.get(key)
         if existing is not None:
             return existing
         self._check_env(env)
@@ -263,6 +278,9 @@ class AsyncKernelExecutor:
         if cfg.attachable:
             registration = SessionRegistration(agent_id, fingerprint, self.backend.name)
         lease = KernelLease(agent_id, lambda: self._pool_for(env), str(workdir), registration)
+        lease.carry_lost(self._lost_by_agent.pop(key, []))
+        lease.on_evicted = lambda: self._park(key)
+        lease.on_attached = lambda: self._unpark(key, lease)
         self._budget.register(lease)
         session = AsyncSession(
             agent_id,
@@ -276,9 +294,59 @@ class AsyncKernelExecutor:
             max_result_chars=cfg.max_result_chars,
             recorder=recorder,
             observers=(registration,) if registration is not None else (),
+            on_close=self._forget,
         )
-        self._sessions[(agent_id, fingerprint)] = session
+        self._sessions[key] = session
         return session
+
+    def _park(self, key: tuple[str, str]) -> None:
+        """The session's kernel was evicted: hold the session weakly from now on."""
+        session = self._sessions.pop(key, None)
+        if session is None:
+            return
+        self._parked[key] = session
+        self._budget.forget(session.lease)
+        if key not in self._finalizers:
+            self._finalizers[key] = weakref.finalize(
+                session, self._session_gone, key, session.lease, session.recorder
+            )
+
+    def _unpark(self, key: tuple[str, str], lease: KernelLease) -> None:
+        """A parked session got a kernel again (its caller held it): hold it again."""
+        session = self._parked.pop(key, None)
+        if session is not None and self._state.is_open and key not in self._sessions:
+            self._sessions[key] = session
+        self._budget.register(lease)
+
+    def _session_gone(
+        self, key: tuple[str, str], lease: KernelLease, recorder: SessionRecorder | None
+    ) -> None:
+        """A parked session nobody held was collected: let its file and names go, and keep
+        what it lost for the agent's next session."""
+        self._finalizers.pop(key, None)
+        if recorder is not None:
+            recorder.close()
+        if lease.watcher is not None:
+            lease.watcher.close()  # an attachable session's registry entry
+        self._dirs_used.discard(PurePath(lease.workdir).name)
+        lost = lease.pending_lost()
+        if lost and self._state.is_open:
+            self._lost_by_agent[key] = lost
+            while len(self._lost_by_agent) > _MAX_REMEMBERED_LOSSES:
+                self._lost_by_agent.popitem(last=False)
+
+    async def _forget(self, session: AsyncSession) -> None:
+        """A session closed: the executor no longer knows it (the agent id may be used again)."""
+        key = (session.agent_id, session.fingerprint)
+        if self._sessions.get(key) is session:
+            del self._sessions[key]
+        if self._parked.get(key) is session:
+            del self._parked[key]
+        finalizer = self._finalizers.pop(key, None)
+        if finalizer is not None:
+            finalizer.detach()
+        self._budget.forget(session.lease)
+        self._dirs_used.discard(PurePath(session.workdir).name)
 
     def _session_dir(self, agent_id: str) -> PurePath:
         assert self._workdir is not None
@@ -359,8 +427,9 @@ class AsyncKernelExecutor:
         """
         if not self._state.close():
             return
-        sessions = list(self._sessions.values())
+        sessions = [*self._sessions.values(), *self._parked.values()]
         self._sessions.clear()
+        self._parked.clear()
         for session in sessions:
             session.mark_closed()
         pools = list(self._pools.values())

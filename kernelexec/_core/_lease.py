@@ -24,6 +24,9 @@ class KernelWatcher(Protocol):
     def kernel_changed(self, conn: KernelConnection | None) -> None:
         """The lease's kernel is now ``conn`` (None: it has none)."""
 
+    def close(self) -> None:
+        """The session is gone."""
+
 
 class KernelLease:
     """A session's kernel, started lazily and replaced when it breaks.
@@ -45,6 +48,7 @@ class KernelLease:
         watcher: KernelWatcher | None = None,
     ) -> None:
         self.agent_id = agent_id
+        self.workdir = workdir
         self._get_pool = pool
         self._workdir = workdir
         self._pool: KernelPool | None = None
@@ -53,10 +57,14 @@ class KernelLease:
         self._names: tuple[str, ...] = ()
         self._lost: list[str] | None = None  # state lost outside a run, not yet reported
         self._fresh = False
-        self._watcher = watcher
+        self.watcher = watcher
         self.generation = 0
         """How many kernels this lease has had (the current one's number)."""
         self.last_used = time.monotonic()
+        self.on_evicted: Callable[[], None] | None = None
+        """Told when the budget took the kernel back (the executor then forgets the session)."""
+        self.on_attached: Callable[[], None] | None = None
+        """Told when a kernel is attached (the executor then knows the session again)."""
 
     @property
     def busy(self) -> bool:
@@ -91,6 +99,8 @@ class KernelLease:
                 self._pool = await self._get_pool()
             self._conn = await self._pool.acquire()
             self._attached()
+            if self.on_attached is not None:
+                self.on_attached()
         return self._conn, lost
 
     def take_settings(self) -> dict[str, Any] | None:
@@ -130,6 +140,17 @@ class KernelLease:
         self._tell(None)
         assert self._pool is not None
         await self._pool.discard(conn)
+        if self.on_evicted is not None:
+            self.on_evicted()
+
+    def pending_lost(self) -> list[str]:
+        """Names lost outside a run and not yet reported."""
+        return list(self._lost or [])
+
+    def carry_lost(self, names: list[str]) -> None:
+        """Report ``names`` as lost with the next run (a forgotten session's, for its agent)."""
+        if names:
+            self._lost = (self._lost or []) + names
 
     async def release(self) -> None:
         """Shut the kernel down for good (the session closed)."""
@@ -146,5 +167,5 @@ class KernelLease:
         self._tell(self._conn)
 
     def _tell(self, conn: KernelConnection | None) -> None:
-        if self._watcher is not None:
-            self._watcher.kernel_changed(conn)
+        if self.watcher is not None:
+            self.watcher.kernel_changed(conn)

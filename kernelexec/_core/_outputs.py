@@ -13,6 +13,7 @@ from typing import Any
 
 from nbformat.v4 import output_from_msg
 
+from kernelexec._protocol._kernel_side import OUTPUT_TYPES
 from kernelexec.backends._base import KernelMessage
 
 OutputCallback = Callable[[Any], Awaitable[None] | None]
@@ -47,26 +48,38 @@ class Collected:
     result: str | None = None
     error: dict[str, Any] | None = None
     execution_count: int | None = None
+    received: int = 0  # output messages that arrived (the kernel side counts those it sent)
     widgets_dropped: int = 0
 
 
+_MARKER_SLACK = 4_096  # room for the kernel side's own truncation markers
+
+
 class OutputCollector:
-    """Builds nbformat outputs from iopub messages, within a character budget."""
+    """Builds nbformat outputs from iopub messages, within a character budget.
+
+    The kernel side enforces the budget before it sends anything; this is the second line, for
+    a kernel that does not (every kind of output counts against it, as in the kernel).
+    """
 
     def __init__(self, out: Collected, budget: int, callbacks: Callbacks) -> None:
         self.out = out
         self.budget = budget
+        self.limit = budget + _MARKER_SLACK
+        self.used = 0
         self.callbacks = callbacks
         self.truncated = False
         self.clear_pending = False
         self.display_index: dict[str, list[int]] = {}
 
     def _room(self) -> int:
-        return self.budget - len(self.out.stdout) - len(self.out.stderr)
+        return self.limit - self.used
 
     async def add(self, msg: KernelMessage) -> None:
         kind = msg.msg_type
         content = msg.content
+        if kind in OUTPUT_TYPES:
+            self.out.received += 1
         if kind == "execute_input":
             self.out.execution_count = content.get("execution_count")
             return
@@ -92,6 +105,10 @@ class OutputCollector:
         except Exception:
             return  # malformed output from the kernel
         if kind == "error":
+            size = len(str(content.get("evalue", ""))) + sum(
+                len(str(t)) for t in content.get("traceback") or []
+            )
+            self.used += size
             self.out.error = content
         elif kind == "execute_result":
             self.out.execution_count = content.get("execution_count")
@@ -118,6 +135,7 @@ class OutputCollector:
             self.truncated = True
         if not text:
             return
+        self.used += len(text)
         if name == "stdout":
             self.out.stdout += text
         else:
@@ -142,10 +160,12 @@ class OutputCollector:
     def _bound_display(self, output: dict[str, Any]) -> None:
         data = output.get("data") or {}
         size = sum(len(str(v)) for v in data.values())
-        if size > self.budget:
+        if size > self._room():
             output["data"] = {
                 "text/plain": f"[kernelexec: display output of {size} characters dropped]"
             }
+            size = 0
+        self.used += size
 
     def _update_display(self, content: dict[str, Any]) -> None:
         display_id = (content.get("transient") or {}).get("display_id")

@@ -4,19 +4,24 @@ Written once above the backend interface. A run is complete when both its ``exec
 the iopub ``status: idle`` for its msg_id have arrived, in either order (a big print arrives after
 the reply). While waiting it watches the messages, the kernel's death (which the backend reports
 from ``receive``) and the deadline. Past the deadline the kernel is interrupted; if it does not
-finish within the grace period the caller must replace it.
+finish within the grace period the caller must replace it. A run whose caller cancels it is
+interrupted the same way, and the loop keeps collecting for the grace period before it lets the
+cancellation go on, so the caller can tell whether the kernel stopped (``stuck`` if not).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from kernelexec._core._outputs import Callbacks, Collected, OutputCollector
 from kernelexec._protocol._host import ExecuteRequest
-from kernelexec.backends._base import KernelConnection, KernelDied
+from kernelexec.backends._base import KernelConnection, KernelDied, KernelMessage
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -29,6 +34,8 @@ class RunOutcome:
     stuck: bool = False  # timed out and did not stop within the grace period
     death: KernelDied | None = None
     started: bool = False  # the kernel acknowledged the request (any message for it arrived)
+    idle: bool = False  # the iopub ``status: idle`` for the request arrived
+    cancelled: bool = False  # the caller cancelled the run
 
     @property
     def died(self) -> bool:
@@ -59,13 +66,16 @@ async def run_request(
     output_grace: float,
     max_output_chars: int,
     callbacks: Callbacks | None = None,
+    out: RunOutcome | None = None,
 ) -> RunOutcome:
-    """Send ``request`` and collect everything that belongs to it.
+    """Send ``request`` and collect everything that belongs to it (into ``out`` if given).
 
     Returns when the run is complete, the kernel died, or the run timed out (after interrupting
-    it and waiting ``interrupt_grace``). Messages for any other request are ignored.
+    it and waiting ``interrupt_grace``). Messages for any other request are ignored. When the
+    caller cancels, the run is wound down (see :func:`_wind_down`) and the cancellation goes on
+    with ``out.cancelled`` set.
     """
-    out = RunOutcome()
+    out = out if out is not None else RunOutcome()
     collector = OutputCollector(out.collected, max_output_chars, callbacks or Callbacks())
     start = time.monotonic()
     msg_id = await conn.send(
@@ -76,8 +86,8 @@ async def run_request(
     except asyncio.CancelledError:
         # The caller gave up (its own timeout, a disconnect): stop the code so the session's
         # next call does not queue behind it in the kernel.
-        if not out.reply:
-            await asyncio.shield(conn.interrupt())
+        out.cancelled = True
+        await finish_shielded(_wind_down(conn, msg_id, out, collector, interrupt_grace))
         raise
     if out.reply is not None and out.collected.execution_count is None:
         out.collected.execution_count = out.reply.get("execution_count")
@@ -93,8 +103,7 @@ async def _collect(
     interrupt_grace: float,
     output_grace: float,
 ) -> None:
-    idle = False
-    while out.reply is None or not idle:
+    while out.reply is None or not out.idle:
         now = time.monotonic()
         if now >= deadline:
             if out.reply is not None:
@@ -109,18 +118,66 @@ async def _collect(
         msg = await conn.receive(deadline - now)
         if msg is None:
             continue
-        if isinstance(msg, KernelDied):
-            out.death = msg
+        if await _take(msg, msg_id, out, collector) and not out.timed_out:
+            deadline = min(deadline, time.monotonic() + output_grace)
+        if out.death is not None:
             break
-        if msg.parent_id != msg_id:
-            continue
-        out.started = True
-        if msg.channel == "shell":
-            if msg.msg_type == "execute_reply":
-                out.reply = msg.content
-                if not out.timed_out:
-                    deadline = min(deadline, time.monotonic() + output_grace)
-        elif msg.msg_type == "status":
-            idle = msg.content.get("execution_state") == "idle"
-        elif msg.channel == "iopub":
-            await collector.add(msg)
+
+
+async def _take(
+    msg: KernelMessage | KernelDied, msg_id: str, out: RunOutcome, collector: OutputCollector
+) -> bool:
+    """Note one message in ``out``; True when it was the run's ``execute_reply``."""
+    if isinstance(msg, KernelDied):
+        out.death = msg
+        return False
+    if msg.parent_id != msg_id:
+        return False
+    out.started = True
+    if msg.channel == "shell":
+        if msg.msg_type == "execute_reply":
+            out.reply = msg.content
+            return True
+    elif msg.msg_type == "status":
+        out.idle = msg.content.get("execution_state") == "idle"
+    elif msg.channel == "iopub":
+        await collector.add(msg)
+    return False
+
+
+async def _wind_down(
+    conn: KernelConnection,
+    msg_id: str,
+    out: RunOutcome,
+    collector: OutputCollector,
+    interrupt_grace: float,
+) -> None:
+    """After the caller cancelled: interrupt the run unless it already replied, and collect
+    until it ends or ``interrupt_grace`` passes (then ``out.stuck``: the kernel must go)."""
+    collector.callbacks = Callbacks()  # the caller is gone
+    if out.reply is None and out.death is None:
+        await conn.interrupt()
+    deadline = time.monotonic() + interrupt_grace
+    while (out.reply is None or not out.idle) and out.death is None:
+        now = time.monotonic()
+        if now >= deadline:
+            out.stuck = out.reply is None
+            return
+        msg = await conn.receive(deadline - now)
+        if msg is not None:
+            await _take(msg, msg_id, out, collector)
+
+
+async def finish_shielded(work: Awaitable[T]) -> T:
+    """Run ``work`` to its end even if the caller is cancelled (again) meanwhile.
+
+    Used for what a cancelled call must still do (stop its code, replace a stuck kernel): a
+    second cancellation waits for it instead of leaving the kernel half-handled.
+    """
+    task = asyncio.ensure_future(work)
+    while True:
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                raise

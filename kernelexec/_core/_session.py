@@ -8,6 +8,7 @@ is one). The kernel's lifecycle is the lease's (``_lease``).
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePath
@@ -15,11 +16,12 @@ from typing import Any, Literal, Protocol
 
 from nbformat import NotebookNode
 
+from kernelexec._config import valid_timeout
 from kernelexec._core._lease import KernelLease
-from kernelexec._core._outputs import Callbacks, OutputCallback
-from kernelexec._core._run import RunOutcome, run_internal, run_request
+from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
+from kernelexec._core._run import RunOutcome, finish_shielded, run_internal, run_request
 from kernelexec._core._state import Lifecycle
-from kernelexec._exceptions import EnvSetupError
+from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
 from kernelexec._models import ExecError, Execution, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._protocol import _host as protocol
@@ -30,8 +32,9 @@ from kernelexec._tools._tool import Tool
 class RunObserver(Protocol):
     """Told about every finished run of a session, in order, before its caller gets it."""
 
-    async def run_finished(self, record: RunRecord) -> None:
-        """Take note of ``record`` (it must not raise for an I/O failure: log it)."""
+    async def run_finished(self, record: RunRecord) -> str | None:
+        """Take note of ``record``; return None, or what went wrong keeping it (an I/O
+        failure must not raise: it is reported on the run's result as ``recording_error``)."""
 
     def close(self) -> None:
         """The session closed."""
@@ -78,8 +81,19 @@ class AsyncSession:
         )
         self._on_close = on_close
         self._state = Lifecycle(f"session {agent_id!r}", opened=True)
+        self._current: RunOutcome | None = None  # the run in progress, for a cancellation
 
     # -- public API -------------------------------------------------------------------------
+
+    @property
+    def lease(self) -> KernelLease:
+        """The session's hold on its kernel (for the executor's budget)."""
+        return self._lease
+
+    @property
+    def recorder(self) -> SessionRecorder | None:
+        """The session's notebook recorder, if it records."""
+        return self._recorder
 
     @property
     def busy(self) -> bool:
@@ -136,11 +150,22 @@ class AsyncSession:
         async with self._lease.hold():
             self._state.check()
             started = now_iso()
-            result, report, generation = await self._execute(request, timeout, callbacks)
+            try:
+                result, report, generation = await self._execute(request, timeout, callbacks)
+            except asyncio.CancelledError:
+                self._raise_if_closed_under_us()
+                await finish_shielded(
+                    self._record_cancelled(
+                        kind="code", code=code, started=started, timeout_s=timeout
+                    )
+                )
+                raise
             execution = Execution(**result)
-            await self._observe(
+            problem = await self._observe(
                 "code", execution, started, timeout, generation, report, {"code": code}
             )
+            if problem is not None:
+                execution = execution.model_copy(update={"recording_error": problem})
         return execution
 
     async def call_tool(
@@ -201,7 +226,21 @@ class AsyncSession:
                     display=recording,
                 )
                 callbacks = Callbacks(on_stdout, on_stderr, on_display)
-                fields, report, generation = await self._execute(request, timeout, callbacks)
+                try:
+                    fields, report, generation = await self._execute(request, timeout, callbacks)
+                except asyncio.CancelledError:
+                    self._raise_if_closed_under_us()
+                    await finish_shielded(
+                        self._record_cancelled(
+                            kind="tool_call",
+                            tool=tool,
+                            args=args,
+                            agent_state=agent_state,
+                            started=started,
+                            timeout_s=timeout,
+                        )
+                    )
+                    raise
                 fields["sandbox_config_fingerprint"] = self.fingerprint
                 fields["agent_state"] = agent_state
                 if report is not None and report.result is not None:
@@ -212,7 +251,11 @@ class AsyncSession:
                         )
                 full = ToolResult(**fields)
             call = {"tool": tool, "args": args, "agent_state": agent_state}
-            await self._observe("tool_call", full, started, timeout, generation, report, call)
+            problem = await self._observe(
+                "tool_call", full, started, timeout, generation, report, call
+            )
+            if problem is not None:
+                full = full.model_copy(update={"recording_error": problem})
         if not recording:
             return full
         # The return value was displayed only for the notebook; the result is the same whether
@@ -267,10 +310,7 @@ class AsyncSession:
     # -- internals ---------------------------------------------------------------------------
 
     def _check_timeout(self, timeout: float | None) -> float:
-        timeout = self._timeout if timeout is None else timeout
-        if timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
-        return timeout
+        return self._timeout if timeout is None else valid_timeout(timeout)
 
     async def _observe(
         self,
@@ -281,10 +321,11 @@ class AsyncSession:
         generation: int,
         report: protocol.Report | None,
         what: dict[str, Any],
-    ) -> None:
-        """Hand the finished run to every observer, in order (nothing is built without one)."""
+    ) -> str | None:
+        """Hand the finished run to every observer, in order (nothing is built without one);
+        return what went wrong keeping it (for ``recording_error``), else None."""
         if not self._observers:
-            return
+            return None
         record = RunRecord(
             kind=kind,
             agent_id=self.agent_id,
@@ -298,8 +339,11 @@ class AsyncSession:
             language_info=report.language_info if report else None,
             **what,
         )
-        for observer in self._observers:
-            await observer.run_finished(record)
+        return await self._notify(record)
+
+    async def _notify(self, record: RunRecord) -> str | None:
+        problems = [p for o in self._observers if (p := await o.run_finished(record))]
+        return "; ".join(problems) or None
 
     async def _execute(
         self, request: ExecuteRequest, timeout: float, callbacks: Callbacks
@@ -323,7 +367,56 @@ class AsyncSession:
         generation = self._lease.generation
         fields, report = await self._finish(out, timeout, lost)
         fields["duration_s"] = time.monotonic() - start
+        self._current = None  # the result owns its outputs now
         return fields, report, generation
+
+    def _raise_if_closed_under_us(self) -> None:
+        """A run ended by the executor closing (its kernels shut down under it) was not
+        cancelled by its caller: tell the caller what happened instead."""
+        task = asyncio.current_task()
+        cancelling = getattr(task, "cancelling", None)  # Python 3.11+; 3.10 cannot tell
+        if self._state.closed and not (callable(cancelling) and cancelling()):
+            raise ExecutorClosedError(
+                f"the executor was closed while a call of session {self.agent_id!r} ran"
+            ) from None
+
+    async def _record_cancelled(self, **record: Any) -> None:
+        """A call its caller cancelled: replace the kernel now if the call did not stop when
+        interrupted (so the next call starts on a healthy kernel and is not blamed), and hand
+        the observers the run as far as it went (its outputs so far)."""
+        out, self._current = self._current, None
+        generation = self._lease.generation
+        replaced = out is not None and (out.stuck or out.died) and not self._state.closed
+        if replaced:
+            await self._lease.lose_state()  # the next run reports the lost names
+        if not self._observers:
+            return
+        why = "the caller cancelled the call; " + (
+            "it did not stop when interrupted, so its kernel was replaced and its state lost"
+            if replaced
+            else "it was interrupted"
+        )
+        collected = out.collected if out is not None else Collected()
+        fields: dict[str, Any] = {
+            "status": "error",
+            "error": ExecError(kind="cancelled", ename="CancelledError", evalue=why),
+            "stdout": collected.stdout,
+            "stderr": collected.stderr,
+            "outputs": collected.outputs,
+            "execution_count": collected.execution_count,
+            "kernel_restarted": replaced,
+        }
+        result = ToolResult(**fields) if record["kind"] == "tool_call" else Execution(**fields)
+        await self._notify(
+            RunRecord(
+                agent_id=self.agent_id,
+                result=result,
+                ran=out is not None and out.started,
+                finished=now_iso(),
+                kernel_generation=generation,
+                **record,
+            )
+        )
 
     async def _send(
         self, request: ExecuteRequest, timeout: float, callbacks: Callbacks
@@ -333,6 +426,7 @@ class AsyncSession:
         settings = self._lease.take_settings()
         if settings is not None:
             request = protocol.with_configure(request, settings)
+        self._current = RunOutcome()
         return await run_request(
             conn,
             request,
@@ -341,6 +435,7 @@ class AsyncSession:
             output_grace=self._output_grace,
             max_output_chars=self._max_output,
             callbacks=callbacks,
+            out=self._current,
         )
 
     async def _finish(
@@ -381,8 +476,10 @@ class AsyncSession:
                 )
             elif reply.get("status") != "ok" or collected.error is not None:
                 error = protocol.error_from(collected.error or reply, protocol.failure_kind(reply))
+        lost_outputs = _account_outputs(collected, protocol.output_count(reply))
         fields: dict[str, Any] = {
             "status": "error" if error else "success",
+            "lost_outputs": lost_outputs,
             "stdout": collected.stdout,
             "stderr": collected.stderr,
             "outputs": collected.outputs,
@@ -394,6 +491,39 @@ class AsyncSession:
             "widgets_dropped": collected.widgets_dropped,
         }
         return fields, report
+
+
+def _account_outputs(collected: Collected, count: protocol.OutputCount | None) -> int:
+    """Compare what arrived with what the kernel side sent; say in ``stdout`` (and return) how
+    many output messages were lost, and how many outputs the budget suppressed."""
+    if count is None:
+        return 0
+    lost = max(0, count.sent - collected.received)
+    notes = []
+    if lost:
+        notes.append(
+            f"[kernelexec: {lost} output message(s) of {count.sent} lost: sent by the kernel, "
+            "never received (dropped in transit while the host fell behind, or refused)]"
+        )
+    if count.suppressed:
+        notes.append(
+            f"[kernelexec: {count.suppressed} more output(s) dropped: over the output budget "
+            f"of {count.limit} characters]"
+        )
+    if notes:
+        text = "\n" if collected.stdout and not collected.stdout.endswith("\n") else ""
+        text += "\n".join(notes) + "\n"
+        collected.stdout += text
+        outputs = collected.outputs
+        if (
+            outputs
+            and outputs[-1].get("output_type") == "stream"
+            and outputs[-1]["name"] == "stdout"
+        ):
+            outputs[-1]["text"] += text
+        else:
+            outputs.append({"output_type": "stream", "name": "stdout", "text": text})
+    return lost
 
 
 def _not_run(error: ExecError) -> dict[str, Any]:

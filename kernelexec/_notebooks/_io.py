@@ -17,6 +17,7 @@ import nbformat
 from nbformat import NotebookNode
 
 from kernelexec._exceptions import NotebookError
+from kernelexec._json import int_text, parse_int
 
 KEY = "kernelexec"
 """The metadata key (cell and notebook) under which kernelexec keeps what it recorded."""
@@ -47,6 +48,8 @@ def python_literal(value: Any) -> str:
         return "{" + items + "}"
     if isinstance(value, list | tuple):
         return "[" + ", ".join(python_literal(v) for v in value) + "]"
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int_text(value)
     return repr(value)
 
 
@@ -83,7 +86,8 @@ def write_atomic(path: Path, text: str) -> None:
 def read_notebook(path: str | Path) -> NotebookNode:
     """Read and validate a notebook, raising :class:`NotebookError` with the reason."""
     try:
-        nb = nbformat.read(str(path), as_version=4)
+        # parse_int: a recorded integer may be longer than this process's digit limit.
+        nb = nbformat.read(str(path), as_version=4, parse_int=parse_int)
     except FileNotFoundError:
         raise NotebookError(f"{path}: no such file") from None
     except Exception as exc:

@@ -7,7 +7,6 @@ The recorder is an observer of the session (``run_finished``): it gets each run 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -16,6 +15,7 @@ import filelock
 import nbformat
 from nbformat import NotebookNode
 
+from kernelexec import _json
 from kernelexec._exceptions import ConfigError, NotebookError
 from kernelexec._models import RunRecord, now_iso
 from kernelexec._notebooks._io import ERROR_TAG, KEY, call_source, read_notebook, write_atomic
@@ -99,19 +99,24 @@ class SessionRecorder:
         }
         return nb
 
-    async def run_finished(self, record: RunRecord) -> None:
+    async def run_finished(self, record: RunRecord) -> str | None:
         """Record a finished run and save the file (off the event loop).
 
-        A save that fails (disk full, permissions) is logged and the run's result kept: the
-        notebook stays complete in memory and the next save writes it whole.
+        Returns:
+            None when the run was saved (or the notebook is kept in memory only), else why the
+            save failed (disk full, permissions): the caller's result says so
+            (``recording_error``). The notebook stays complete in memory and the next save
+            writes it whole.
         """
         self.add(record)
         if self.path is None:
-            return
+            return None
         try:
             await asyncio.to_thread(self.save)
-        except OSError as exc:
+        except (OSError, ValueError) as exc:
             log.warning("could not save the recording %s: %s", self.path, exc)
+            return f"could not save the recording {self.path}: {exc}"
+        return None
 
     def add(self, record: RunRecord) -> None:
         """Append ``record`` as cells: a code cell, or a tool's definition and call cells."""
@@ -135,7 +140,7 @@ class SessionRecorder:
         return {
             "kind": kind,
             "agent_id": self.agent_id,
-            "status": record.result.status if record.ran else "not_run",
+            "status": _status(record),
             "error_kind": error.kind if error is not None else None,
             "duration_s": round(record.result.duration_s, 6),
             "started": record.started,
@@ -192,15 +197,23 @@ class SessionRecorder:
             self.notebook.cells.append(definition)
             self._defined[tool.name] = tool.digest
             fresh = False
-        call_args = dict(args)
-        if tool.takes_agent_state:
-            call_args["agent_state"] = state_json(record.agent_state)
-        source = call_source(tool.name, call_args)
+        unfit = next(
+            (p for k, v in args.items() if (p := _json.problem(v, str(k))) is not None), None
+        )
+        if unfit is not None:
+            # Refused before running (not JSON, too deep): keep why, not the value itself.
+            args = {}
+            source = f"{tool.name}(...)  # arguments not recorded: {unfit}"
+        else:
+            call_args = dict(args)
+            if tool.takes_agent_state:
+                call_args["agent_state"] = state_json(record.agent_state)
+            source = call_source(tool.name, call_args)
         meta = self._meta("tool_call", record, fresh)
         meta["tool"] = tool.name
         meta["args"] = args
         value = getattr(result, "func_return", None)
-        if len(json.dumps(value, ensure_ascii=False, default=str)) <= _MAX_RETURN_IN_META:
+        if len(_json.dumps(value, ensure_ascii=False, default=str)) <= _MAX_RETURN_IN_META:
             meta["func_return"] = value
         else:
             meta["func_return_omitted"] = True  # too big; the cell's output shows it
@@ -232,9 +245,16 @@ class SessionRecorder:
         write_atomic(self.path, text)
 
 
+def _status(record: RunRecord) -> str:
+    error = record.result.error
+    if error is not None and error.kind == "cancelled":
+        return "cancelled"  # it ran (as far as it got) whether or not it reached the kernel
+    return record.result.status if record.ran else "not_run"
+
+
 def _dumps(value: Any) -> str:
     # nbformat's own layout: one-space indent, sorted keys, unicode kept.
-    return json.dumps(value, indent=1, sort_keys=True, ensure_ascii=False)
+    return _json.dumps(value, indent=1, sort_keys=True, ensure_ascii=False)
 
 
 def _indented(text: str, prefix: str) -> str:

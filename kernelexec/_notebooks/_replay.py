@@ -9,8 +9,10 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from kernelexec._config import valid_timeout
 from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._envs._envs import VenvEnv
+from kernelexec._exceptions import ConfigError, NotebookError
 from kernelexec._notebooks._io import KEY, read_notebook
 
 _VOLATILE = [
@@ -113,8 +115,22 @@ def output_lines(outputs: list[Any]) -> list[str]:
     return lines
 
 
+def _recorded_timeout(meta: dict[str, Any], index: int) -> float | None:
+    value = meta.get("timeout_s")
+    if value is None:
+        return None
+    try:
+        return valid_timeout(value, f"cell {index}: the recorded timeout_s")
+    except ConfigError as exc:
+        raise NotebookError(str(exc)) from None
+
+
 async def areplay(
-    path: str | Path, *, default_timeout: float = 60.0, **config: Any
+    path: str | Path,
+    *,
+    default_timeout: float = 60.0,
+    max_timeout: float | None = None,
+    **config: Any,
 ) -> ReplayReport:
     """Run a notebook's code cells top to bottom in a fresh kernel and compare the outputs.
 
@@ -122,17 +138,29 @@ async def areplay(
     requirements, or reused from the cache). Cells recorded by kernelexec are re-run with the
     timeout they had, and the kernel is
     restarted where the recorded session got a fresh kernel, so a recorded timeout or lost
-    state replays as it happened. Calls that were rejected before running are skipped.
+    state replays as it happened. Calls that were rejected before running are skipped, and so are
+    calls their caller cancelled (how far they got cannot be reproduced).
 
     Args:
         path: The notebook.
         default_timeout: Seconds allowed for a cell that has no recorded timeout.
+        max_timeout: The most any cell may take, whatever its recorded timeout (None: no cap).
         **config: Other :class:`~kernelexec.ExecutorConfig` fields for the replay's executor.
 
     Raises:
-        NotebookError: the file is missing or not a valid notebook.
+        NotebookError: the file is missing or not a valid notebook, or a recorded
+            ``timeout_s`` is not a finite positive number (checked before anything runs).
+        ConfigError: ``default_timeout`` or ``max_timeout`` is not a finite positive number.
     """
+    default_timeout = valid_timeout(default_timeout, "default_timeout")
+    if max_timeout is not None:
+        max_timeout = valid_timeout(max_timeout, "max_timeout")
     nb = read_notebook(path)
+    recorded_timeouts = {
+        index: _recorded_timeout(cell.metadata.get(KEY) or {}, index)
+        for index, cell in enumerate(nb.cells)
+        if cell.cell_type == "code"
+    }
     report = ReplayReport(notebook=str(path))
     recorded_env = (nb.metadata.get(KEY) or {}).get("env") or {}
     if recorded_env.get("kind") == "venv" and "env" not in config:
@@ -148,12 +176,14 @@ async def areplay(
             if cell.cell_type != "code":
                 continue
             meta = cell.metadata.get(KEY) or {}
-            if meta.get("status") == "not_run":
-                continue
+            if meta.get("status") in ("not_run", "cancelled"):
+                continue  # never ran, or ran only until its caller cancelled it
             if meta.get("fresh_kernel") and ran:
                 await session.restart()
-            timeout = meta.get("timeout_s") or default_timeout
-            result = await session.run_code(cell.source, timeout=float(timeout))
+            timeout = recorded_timeouts[index] or default_timeout
+            if max_timeout is not None:
+                timeout = min(timeout, max_timeout)
+            result = await session.run_code(cell.source, timeout=timeout)
             ran = True
             report.cells_run += 1
             recorded = output_lines(cell.outputs)

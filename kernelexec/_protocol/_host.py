@@ -16,6 +16,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel
 
+from kernelexec import _json
 from kernelexec._models import ErrorKind, ExecError
 from kernelexec._protocol import _kernel_side as kernel_side
 from kernelexec._tools._tool import Tool
@@ -151,7 +152,7 @@ def tool_call_request(
     spec: dict[str, Any] = {
         "name": tool.name,
         "digest": tool.digest,
-        "args": json.dumps(args, ensure_ascii=False),
+        "args": _json.dumps(args, ensure_ascii=False),
         "env": dict(env_vars or {}),
         "max_result_chars": max_result_chars,
         "source": tool.source_code,
@@ -187,8 +188,8 @@ def read_report(reply: dict[str, Any]) -> Report | None:
     if not isinstance(text, str):
         return None
     try:
-        data = json.loads(text)
-    except ValueError:
+        data = _json.loads(text)
+    except (ValueError, RecursionError):
         return None
     if not isinstance(data, dict):
         return None
@@ -226,6 +227,26 @@ def error_from(content: dict[str, Any], kind: ErrorKind) -> ExecError:
         evalue=str(content.get("evalue", "")),
         traceback=[str(t) for t in content.get("traceback") or []],
     )
+
+
+@dataclass(frozen=True, slots=True)
+class OutputCount:
+    """What the kernel side says a run's output was: messages sent, outputs suppressed because
+    the budget was spent, and the budget."""
+
+    sent: int
+    suppressed: int
+    limit: int
+
+
+def output_count(reply: dict[str, Any]) -> OutputCount | None:
+    """The kernel side's count of the run's output messages, from its reply (None: no count)."""
+    for payload in _payloads(reply):
+        if payload.get("source") == kernel_side.OUTPUTS_PAYLOAD:
+            values = [payload.get(k) for k in ("sent", "suppressed", "limit")]
+            if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                return OutputCount(*cast(list[int], values))
+    return None
 
 
 def _payloads(reply: dict[str, Any]) -> list[dict[str, Any]]:

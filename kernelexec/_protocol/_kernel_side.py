@@ -6,8 +6,11 @@ ipykernel) and executed there as the module ``__kernelexec__``. It uses the stan
 
 What it does inside the kernel:
 
-* caps the bytes a single execution may write to stdout/stderr (the kernel otherwise ships a
-  200 MB print as one message);
+* caps the characters a single execution may send as output (stdout/stderr, displays, errors
+  and tracebacks share ``max_output_chars``; the kernel otherwise ships a 200 MB print as one
+  message), counts the output messages it sent, and reports the count with the reply
+  (``OUTPUTS_PAYLOAD``), so the host can tell when the transport dropped some;
+* keeps no output history (IPython 9 would keep every printed byte for the kernel's lifetime);
 * runs tool calls whose arguments arrive as JSON in the request's metadata, never as code;
 * converts return values to JSON (see :func:`to_jsonable` for the rules) and hands them back
   through ``user_expressions`` in the execute reply, a channel the tool's own prints and displays
@@ -75,19 +78,186 @@ class KernelexecResultTooLarge(Exception):
     """The tool's return value is larger than the configured limit once encoded as JSON."""
 
 
+OUTPUTS_PAYLOAD = "kernelexec.outputs"
+"""The ``source`` of the reply payload that says how many output messages a run sent."""
+
+OUTPUT_TYPES = frozenset(
+    {"stream", "display_data", "execute_result", "error", "update_display_data", "clear_output"}
+)
+"""The iopub message types that are a run's outputs (counted on both sides)."""
+
+_ERROR_FLOOR = 2_000  # an error is always readable, even when prints used the whole budget
+
+
 class _Budget:
-    """A per-execution byte budget shared by stdout and stderr."""
+    """A run's output budget, shared by every kind of output, and its count of sent messages.
+
+    Enforced where ipykernel hands a message to its session for sending (``_guard_session``),
+    below anything IPython or user code may swap (``sys.stdout.write`` is rewrapped by IPython
+    9 around every cell). Also called from ipykernel's IOPub thread, hence the lock.
+    """
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
-        self.used = 0
-        self.dropped = 0
         self.lock = threading.Lock()
+        self.reset(None)
 
-    def reset(self) -> None:
+    def reset(self, run_id: str | None) -> None:
         with self.lock:
+            self.run_id = run_id
             self.used = 0
-            self.dropped = 0
+            self.sent = 0  # output messages of this run handed to the session
+            self.suppressed = 0  # outputs not sent at all: the budget was spent
+            self.stream_cut = False
+            self.error_allowance = _ERROR_FLOOR
+
+    def admit(self, kind: str, content: dict[str, Any], parent_id: Any) -> bool:
+        """Fit an output message into the budget (``content`` is cut in place); False: drop it."""
+        with self.lock:
+            keep = self._fit(kind, content)
+            if parent_id == self.run_id and self.run_id is not None:
+                if keep:
+                    self.sent += 1
+                else:
+                    self.suppressed += 1
+            return keep
+
+    def _fit(self, kind: str, content: dict[str, Any]) -> bool:
+        room = self.limit - self.used
+        if kind == "stream":
+            if self.stream_cut:
+                return False
+            text = str(content.get("text", ""))
+            if len(text) > room:
+                content["text"] = (
+                    text[: max(room, 0)]
+                    + f"\n[kernelexec: output truncated at {self.limit} characters]\n"
+                )
+                self.stream_cut = True
+            self.used += min(len(text), max(room, 0))
+            return True
+        if kind in ("display_data", "execute_result", "update_display_data"):
+            data = content.get("data")
+            size = _data_size(data) if isinstance(data, dict) else 0
+            if size <= room:
+                self.used += size
+                return True
+            if room <= 0:
+                return False
+            content["data"] = {
+                "text/plain": f"[kernelexec: display output of {size} characters dropped: "
+                f"over the output budget of {self.limit} characters]"
+            }
+            content["metadata"] = {}
+            self.used = self.limit
+            return True
+        if kind == "error":
+            self.error_allowance = max(room, _ERROR_FLOOR)
+            self.used += cap_error(content, self.error_allowance)
+            return True
+        return True  # clear_output
+
+
+def _data_size(data: dict[str, Any]) -> int:
+    size = 0
+    for value in data.values():
+        if isinstance(value, str):
+            size += len(value)
+        else:
+            try:
+                size += len(json.dumps(value))
+            except (TypeError, ValueError):
+                size += len(repr(value))
+    return size
+
+
+def cap_error(content: dict[str, Any], allowance: int) -> int:
+    """Cut an error's message and traceback (in place) to ``allowance`` characters in all,
+    keeping the end of the traceback (where the failure is); returns the size kept."""
+    evalue = str(content.get("evalue", ""))
+    traceback = [str(line) for line in content.get("traceback") or []]
+    size = len(evalue) + sum(len(line) for line in traceback)
+    if size <= allowance:
+        return size
+    half = allowance // 2
+    if len(evalue) > half:
+        dropped = len(evalue) - half
+        evalue = evalue[:half] + f"... [kernelexec: {dropped} characters cut]"
+    rest = allowance - len(evalue)
+    kept: list[str] = []
+    for line in reversed(traceback):
+        if rest <= 0:
+            break
+        if len(line) > rest:
+            line = line[:rest] + "... [kernelexec: cut]"
+        kept.append(line)
+        rest -= len(line)
+    if sum(len(line) for line in kept) < sum(len(line) for line in traceback):
+        kept.append(f"[kernelexec: traceback cut to the output budget of {allowance} characters]")
+    content["evalue"] = evalue
+    content["traceback"] = kept[::-1]
+    return allowance
+
+
+def _parent_id(parent: Any) -> Any:
+    if not isinstance(parent, dict):
+        return None
+    header = parent.get("header", parent)
+    return header.get("msg_id") if isinstance(header, dict) else None
+
+
+def _guard_session(session: Any, budget: _Budget) -> None:
+    """Make every output message pass the budget before it is serialised and sent."""
+    original = session.send
+
+    def send(
+        stream: Any,
+        msg_or_type: Any,
+        content: Any = None,
+        parent: Any = None,
+        *args: Any,
+        **kw: Any,
+    ) -> Any:
+        if isinstance(msg_or_type, dict):
+            kind = (msg_or_type.get("header") or {}).get("msg_type")
+            body = msg_or_type.get("content")
+            parent_id = _parent_id(msg_or_type.get("parent_header"))
+        else:
+            kind, body, parent_id = msg_or_type, content, _parent_id(parent)
+        if (
+            kind in OUTPUT_TYPES
+            and isinstance(body, dict)
+            and not budget.admit(str(kind), body, parent_id)
+        ):
+            return None
+        return original(stream, msg_or_type, content, parent, *args, **kw)
+
+    session.send = send
+
+
+class _NoOutputHistory(dict):  # type: ignore[type-arg]
+    """Stands in for IPython's output and exception history: everything put in is dropped.
+
+    IPython 9 keeps every printed byte, displayed bundle (``%history -o``) and formatted
+    traceback of a kernel's lifetime there.
+    """
+
+    def __missing__(self, key: Any) -> list[Any]:
+        return []
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+
+def _keep_no_output_history(shell: Any) -> None:
+    # ``_tee`` is IPython 9's per-cell wrapper of sys.stdout/err.write that fills the history.
+    shell._tee = lambda channel: contextlib.nullcontext()
+    if hasattr(shell, "_format_exception_for_storage"):
+        shell._format_exception_for_storage = lambda *args, **kwargs: None  # formats it again
+    history = getattr(shell, "history_manager", None)
+    for name in ("outputs", "exceptions"):
+        if history is not None and hasattr(history, name):
+            setattr(history, name, _NoOutputHistory())
 
 
 _state: dict[str, Any] = {"result": None, "tools": {}, "budget": None}
@@ -111,28 +281,6 @@ def _failed(kind: str, error: Exception) -> Exception:
     """
     _ip().payload_manager.write_payload({"source": ERROR_PAYLOAD, "kind": kind})
     return error
-
-
-def _cap_stream(stream: Any, budget: _Budget) -> None:
-    original = stream.write
-
-    def write(text: str) -> int:
-        # Also called from ipykernel's fd-capture thread, hence the lock.
-        with budget.lock:
-            room = budget.limit - budget.used
-            if room <= 0:
-                budget.dropped += len(text)
-                return len(text)
-            keep = text[:room]
-            budget.used += len(keep)
-            over = len(text) - len(keep)
-            budget.dropped += over
-        original(keep)
-        if over:
-            original(f"\n[kernelexec: output truncated at {budget.limit} characters]\n")
-        return len(text)
-
-    stream.write = write
 
 
 def _skip_empty_flush(stream: Any) -> None:
@@ -206,30 +354,58 @@ def install() -> None:
     cfg = _payload()
     if "debugpy" in sys.modules and sys.modules["debugpy"] is None:
         del sys.modules["debugpy"]  # blocked only while ipykernel started (see the launcher)
+    if hasattr(sys, "set_int_max_str_digits"):
+        sys.set_int_max_str_digits(0)  # big integers cross as JSON both ways (see the README)
     budget = _Budget(int(cfg.get("max_output_chars", 1_000_000)))
     _state["budget"] = budget
-    for stream in (sys.stdout, sys.stderr):
-        if hasattr(stream, "session"):  # an ipykernel OutStream
-            _cap_stream(stream, budget)
-            if cfg.get("fast_paths", True):
+    shell = _ip()
+    kernel = shell.kernel
+    _keep_no_output_history(shell)
+    guarded: set[int] = set()
+    for owner in (kernel, sys.stdout, sys.stderr, shell.displayhook, shell.display_pub):
+        session = getattr(owner, "session", None)
+        if session is not None and id(session) not in guarded:
+            guarded.add(id(session))
+            _guard_session(session, budget)
+    if cfg.get("fast_paths", True):
+        for stream in (sys.stdout, sys.stderr):
+            if hasattr(stream, "session"):  # an ipykernel OutStream
                 _skip_empty_flush(stream)
     if cfg.get("fast_paths", True) and cfg.get("report_expression"):
         _fast_report(cfg["report_expression"])
     streams = [s for s in (sys.stdout, sys.stderr) if hasattr(s, "session")]
-    _ip().events.register("post_execute", lambda: _wait_for_fd_output(streams))
-    _ip().events.register("pre_execute", budget.reset)
-    _ip().events.register("pre_execute", configure)
-    _ip().events.register("pre_execute", _enter_env)
-    kernel = _ip().kernel
+    shell.events.register("post_execute", lambda: _wait_for_fd_output(streams))
+    shell.events.register("pre_execute", lambda: budget.reset(_run_id()))
+    shell.events.register("pre_execute", configure)
+    shell.events.register("pre_execute", _enter_env)
     finish_metadata = kernel.finish_metadata
 
     def finish(parent: Any, metadata: Any, reply_content: Any) -> Any:
         # Called after every execute request, sync or async cell, success or error (IPython
         # skips post_execute for top-level-await cells): the one place to end an overlay.
+        # The run's output was flushed just before, so its count is complete here.
         _leave_env()
+        _account(budget, parent, reply_content)
         return finish_metadata(parent, metadata, reply_content)
 
     kernel.finish_metadata = finish
+
+
+def _run_id() -> Any:
+    return _parent_id(_ip().kernel.get_parent())
+
+
+def _account(budget: _Budget, parent: Any, reply: Any) -> None:
+    """Put the run's output count in its reply, and cut the reply's copy of an error."""
+    if not isinstance(reply, dict) or _parent_id(parent) != budget.run_id:
+        return
+    if reply.get("status") == "error":
+        cap_error(reply, budget.error_allowance)
+    with budget.lock:
+        counts = {"sent": budget.sent, "suppressed": budget.suppressed, "limit": budget.limit}
+    payload = reply.get("payload")
+    if isinstance(payload, list):
+        payload.append({"source": OUTPUTS_PAYLOAD, **counts})
 
 
 def _enter_env() -> None:
@@ -350,8 +526,22 @@ def _define(name: str, source: str, digest: str) -> tuple[Any, inspect.Signature
         signature: inspect.Signature | None = inspect.signature(fn)
     except (TypeError, ValueError):
         signature = None  # builtins without a signature: let the call itself complain
+    _refuse_shape(name, fn, signature)
     _state["tools"][name] = (digest, fn, signature)
     return fn, signature
+
+
+def _refuse_shape(name: str, fn: Any, signature: inspect.Signature | None) -> None:
+    """The shapes ``Tool.from_source`` refuses, refused again for a ``Tool`` built by hand."""
+    problem = None
+    if inspect.isgeneratorfunction(fn) or inspect.isasyncgenfunction(fn):
+        problem = "is a generator function (it yields); its body would never run"
+    elif signature is not None and any(
+        p.kind is inspect.Parameter.POSITIONAL_ONLY for p in signature.parameters.values()
+    ):
+        problem = "has positional-only parameters; arguments arrive by name"
+    if problem:
+        raise _failed(INVALID_TOOL, KernelexecInvalidTool(f"tool {name!r} {problem}"))
 
 
 def _load_agent_state(spec: dict[str, Any]) -> Any:
@@ -446,7 +636,11 @@ def _float(value: float) -> Any:
     return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
 
 
-def to_jsonable(value: Any, _seen: set[int] | None = None) -> Any:
+MAX_DEPTH = 100
+"""The deepest nesting of a return value or agent state (the host checks arguments the same)."""
+
+
+def to_jsonable(value: Any, _seen: set[int] | None = None, _depth: int = 0) -> Any:
     """Convert a value to JSON data, never failing.
 
     Rules: JSON types pass through (non-finite floats become ``"NaN"``/``"Infinity"``/
@@ -456,17 +650,22 @@ def to_jsonable(value: Any, _seen: set[int] | None = None) -> Any:
     text when they are UTF-8, else base64; enums become their value; pydantic models their
     ``model_dump(mode="json")``; dataclasses their fields; objects with ``tolist`` or ``to_dict``
     (NumPy, pandas) what those return; anything else its ``repr``. A container that contains
-    itself yields ``"<circular reference>"`` at the point of recursion.
+    itself yields ``"<circular reference>"`` at the point of recursion. A value nested deeper
+    than ``MAX_DEPTH`` fails the call as ``result_too_large``.
     """
     if value is None or isinstance(value, (bool, int, str)):
         return value
     if isinstance(value, float):
         return _float(value)
+    if _depth >= MAX_DEPTH:
+        message = f"the value is nested deeper than {MAX_DEPTH} levels (the limit on JSON nesting)"
+        raise _failed(RESULT_TOO_LARGE, KernelexecResultTooLarge(message))
+    depth = _depth + 1
     seen = _seen if _seen is not None else set()
     if id(value) in seen:
         return "<circular reference>"
     if isinstance(value, enum.Enum):
-        return to_jsonable(value.value, seen)
+        return to_jsonable(value.value, seen, depth)
     if isinstance(value, (datetime.datetime, datetime.date, datetime.time)):
         return value.isoformat()
     if isinstance(value, datetime.timedelta):
@@ -482,29 +681,30 @@ def to_jsonable(value: Any, _seen: set[int] | None = None) -> Any:
     seen.add(id(value))
     try:
         if isinstance(value, dict):
-            return {_key(k): to_jsonable(v, seen) for k, v in value.items()}
+            return {_key(k): to_jsonable(v, seen, depth) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
-            return [to_jsonable(v, seen) for v in value]
+            return [to_jsonable(v, seen, depth) for v in value]
         if isinstance(value, (set, frozenset)):
             items = list(value)
             with contextlib.suppress(TypeError):
                 items.sort()
-            return [to_jsonable(v, seen) for v in items]
+            return [to_jsonable(v, seen, depth) for v in items]
         dump = getattr(value, "model_dump", None)
         if callable(dump) and not isinstance(value, type):
             try:
-                return to_jsonable(dump(mode="json"), seen)
+                return to_jsonable(dump(mode="json"), seen, depth)
             except Exception:
                 pass
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return {
-                f.name: to_jsonable(getattr(value, f.name), seen) for f in dataclasses.fields(value)
+                f.name: to_jsonable(getattr(value, f.name), seen, depth)
+                for f in dataclasses.fields(value)
             }
         for method in ("tolist", "to_dict"):
             fn = getattr(value, method, None)
             if callable(fn) and not isinstance(value, type):
                 try:
-                    return to_jsonable(fn(), seen)
+                    return to_jsonable(fn(), seen, depth)
                 except Exception:
                     pass
         return _safe_repr(value)

@@ -169,7 +169,7 @@ def function_schema(
         properties[arg.arg] = prop
 
     parameters: dict[str, Any] = {"type": "object", "properties": properties, "required": required}
-    if args.kwarg is None:
-        parameters["additionalProperties"] = False
+    # **kwargs takes any other name; without it, only the named parameters.
+    parameters["additionalProperties"] = args.kwarg is not None
     schema = {"name": node.name, "description": description, "parameters": parameters}
     return schema, warnings

@@ -12,8 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import jsonschema
+import referencing
+import referencing.exceptions
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
+from kernelexec import _json
 from kernelexec._exceptions import NotebookError, ToolDefinitionError, ToolSchemaWarning
 from kernelexec._notebooks._authoring import tool_cells
 from kernelexec._tools._schema import function_schema
@@ -98,6 +101,7 @@ class Tool(BaseModel):
             raise ToolDefinitionError(f"the source defines no top-level function {name!r}")
         if isinstance(node, ast.AsyncFunctionDef):
             raise ToolDefinitionError(f"tool {name!r} is async; tools must be plain functions")
+        _refuse_shape(node)
         schema, notes = function_schema(node)
         for note in notes:
             warnings.warn(note, ToolSchemaWarning, stacklevel=2)
@@ -166,6 +170,15 @@ class Tool(BaseModel):
         """Check arguments against the schema; return problems, each naming the argument."""
         if not isinstance(args, dict):
             return [f"arguments must be a JSON object, got {type(args).__name__}"]
+        problems = []
+        for key, value in args.items():
+            if not isinstance(key, str):
+                return [f"argument name {key!r} is not a string"]
+            problem = _json.problem(value, key)
+            if problem:
+                problems.append(problem)
+        if problems:
+            return problems  # the schema is not checked against what is not JSON
         schema = self.parameters_schema
         if self._validator is None:
             try:
@@ -173,15 +186,20 @@ class Tool(BaseModel):
                 cls.check_schema(schema)
             except jsonschema.SchemaError as exc:
                 return [f"the tool's argument schema is invalid: {exc.message}"]
-            object.__setattr__(self, "_validator", cls(schema))
-        problems = []
+            # An empty registry: a $ref is resolved within the schema only, never fetched
+            # from the network or read from a file.
+            validator = cls(schema, registry=referencing.Registry())
+            object.__setattr__(self, "_validator", validator)
         props = schema.get("properties") or {}
         if schema.get("additionalProperties") is None:
             # Letta-style schemas omit additionalProperties; a name the function does not
             # take would fail inside the kernel anyway, so say so before anything runs.
             problems += [f"unexpected argument {k!r}" for k in args if k not in props]
-        for error in sorted(self._validator.iter_errors(args), key=lambda e: list(e.path)):
-            problems.append(_describe(error))
+        try:
+            errors = sorted(self._validator.iter_errors(args), key=lambda e: list(e.path))
+        except referencing.exceptions.Unresolvable as exc:
+            return [f"the tool's argument schema has a $ref that cannot be resolved: {exc}"]
+        problems += [_describe(error) for error in errors]
         return problems
 
 
@@ -195,6 +213,35 @@ def _describe(error: jsonschema.ValidationError) -> str:
         extra = sorted(set(error.instance) - set(known))  # type: ignore[arg-type]
         return "unexpected argument " + ", ".join(repr(e) for e in extra)
     return f"argument {where!r}: {error.message}" if where else error.message
+
+
+def _refuse_shape(node: ast.FunctionDef) -> None:
+    """Refuse, at definition, the function shapes a call could not honour."""
+    if node.args.posonlyargs:
+        names = ", ".join(a.arg for a in node.args.posonlyargs)
+        raise ToolDefinitionError(
+            f"tool {node.name!r} has positional-only parameters ({names}); tools are called "
+            "with JSON arguments by name: remove the '/'"
+        )
+    if _is_generator(node):
+        raise ToolDefinitionError(
+            f"tool {node.name!r} is a generator function (it yields); its body would never "
+            "run: return a list instead"
+        )
+
+
+def _is_generator(node: ast.FunctionDef) -> bool:
+    """Whether ``yield`` appears in the function's own body (not in nested scopes)."""
+    stack: list[ast.AST] = list(node.body)
+    nested = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+    while stack:
+        item = stack.pop()
+        if isinstance(item, ast.Yield | ast.YieldFrom):
+            return True
+        if isinstance(item, nested):
+            continue
+        stack.extend(ast.iter_child_nodes(item))
+    return False
 
 
 def _parse_functions(source: str) -> dict[str, ast.FunctionDef | ast.AsyncFunctionDef]:

@@ -1,0 +1,87 @@
+"""Finding 5 of the hostile probe: a cancelled call is stopped on its own account (and
+recorded), and closing the executor ends calls in flight with ExecutorClosedError."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+import kernelexec as kx
+
+IGNORES_SIGINT = (
+    "import signal, time\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "print('going', flush=True)\n"
+    "while True:\n"
+    "    time.sleep(0.01)\n"
+)
+
+
+@pytest.mark.anyio
+async def test_a_cancelled_call_that_ignores_sigint_is_replaced_on_its_own_account() -> None:
+    async with kx.AsyncKernelExecutor(interrupt_grace=0.5, record=True) as ex:
+        s = await ex.session("stubborn")
+        await s.run_code("keep = 1")
+        started = asyncio.Event()
+        call = asyncio.ensure_future(s.run_code(IGNORES_SIGINT, on_stdout=lambda _: started.set()))
+        await asyncio.wait_for(started.wait(), 20)
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        after = await s.run_code("1 + 1", timeout=5)
+        assert after.ok, after.error  # not blamed with a timeout of its own
+        assert after.result == "2"
+        assert after.kernel_restarted is True and after.lost_variables == ["keep"]
+        assert s.notebook is not None
+        cancelled = s.notebook.cells[-2]
+        meta = cancelled.metadata["kernelexec"]
+        assert meta["status"] == "cancelled" and meta["error_kind"] == "cancelled"
+        assert cancelled.source == IGNORES_SIGINT
+        assert "going" in "".join(o.get("text", "") for o in cancelled.outputs)
+
+
+@pytest.mark.anyio
+async def test_closing_the_executor_ends_calls_in_flight_with_executor_closed() -> None:
+    ex = kx.AsyncKernelExecutor()
+    await ex.start()
+    started = asyncio.Event()
+    call = asyncio.ensure_future(
+        ex.run_code(
+            "import time; print('go', flush=True); time.sleep(60)",
+            agent_id="inflight",
+            on_stdout=lambda _: started.set(),
+        )
+    )
+    queued = asyncio.ensure_future(ex.run_code("1", agent_id="inflight"))
+    await asyncio.wait_for(started.wait(), 20)
+    await ex.aclose()
+    with pytest.raises(kx.ExecutorClosedError):
+        await call
+    with pytest.raises(kx.ExecutorClosedError):
+        await queued
+
+
+def test_closing_the_blocking_executor_ends_a_call_in_another_thread() -> None:
+    ex = kx.KernelExecutor()
+    started = threading.Event()
+    outcome: list[object] = []
+
+    def work() -> None:
+        try:
+            outcome.append(
+                ex.run_code(
+                    "import time; print('go', flush=True); time.sleep(60)",
+                    on_stdout=lambda _: started.set(),
+                )
+            )
+        except Exception as exc:
+            outcome.append(exc)
+
+    worker = threading.Thread(target=work)
+    worker.start()
+    assert started.wait(30)
+    ex.close()
+    worker.join(30)
+    assert len(outcome) == 1 and isinstance(outcome[0], kx.ExecutorClosedError)
