@@ -223,3 +223,29 @@ def test_attach_says_which_session_when_it_cannot_choose(
     status, out, _ = kernelexec(capsys, "sessions")
     assert [line.split()[0] for line in out.splitlines()] == ["AGENT", "twin", "twin", "idle"]
     assert out.splitlines()[3].split()[2] == "-"  # no kernel pid
+
+
+def test_registry_follows_the_sessions_kernel_and_lifetime(env: dict[str, str]) -> None:
+    import gc
+
+    from kernelexec._core._attach import live_sessions
+
+    def entries() -> dict[str, dict[str, Any]]:
+        return {e["agent_id"]: e for e in live_sessions()}
+
+    with kx.KernelExecutor(attachable=True, max_kernels=1) as ex:
+        held = ex.session("a")
+        held.run_code("va = 1")
+        first_pid = entries()["a"]["kernel_pid"]
+        held.restart()  # a fresh kernel: the entry follows it
+        assert entries()["a"]["kernel_pid"] not in (None, first_pid)
+        ex.run_code("vb = 1", agent_id="b")  # evicts a's kernel (max_kernels=1)
+        assert entries()["a"]["connection_file"] is None and entries()["a"]["kernel_pid"] is None
+        del held
+        gc.collect()  # nobody holds a's session any more: forgotten, its entry removed
+        assert set(entries()) == {"b"}
+        ex.session("b").close()
+        assert entries() == {}
+        ex.run_code("1", agent_id="c")
+        assert set(entries()) == {"c"}
+    assert entries() == {}
