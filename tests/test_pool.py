@@ -187,3 +187,20 @@ def test_sync_facade_works_where_a_loop_is_already_running() -> None:
             return ex.run_code("21 * 2").result
 
     assert asyncio.run(inside_a_running_loop()) == "42"
+
+
+@pytest.mark.anyio
+async def test_a_closed_session_gives_way_to_a_fresh_one() -> None:
+    async with kx.AsyncKernelExecutor(max_kernels=1) as ex:
+        first = await ex.session("a")
+        await first.run_code("x = 1")
+        await first.aclose()
+        assert ex.kernel_count == 0
+        assert "a" not in ex.sessions
+        with pytest.raises(kx.ExecutorClosedError):
+            await first.run_code("x")
+        second = await ex.session("a")
+        assert second is not first
+        # max_kernels=1: the closed session's kernel no longer counts against the budget.
+        result = await second.run_code("x")
+        assert result.error is not None and result.error.ename == "NameError"

@@ -121,6 +121,36 @@ def _parser() -> argparse.ArgumentParser:
     env_build.add_argument("--cache-dir", default=None)
     env_build.add_argument("--json", action="store_true")
 
+    mcp = sub.add_parser("mcp", help="serve kernels to MCP clients (stdio or streamable HTTP)")
+    mcp.add_argument(
+        "--tools",
+        nargs="+",
+        action="extend",
+        default=[],
+        metavar="FILE.py|NOTEBOOK",
+        help="expose a file's public functions, or a notebook's `tool` cells, as MCP tools",
+    )
+    mcp.add_argument("--transport", choices=["stdio", "http"], default="stdio")
+    mcp.add_argument("--host", default="127.0.0.1", help="HTTP: address to bind")
+    mcp.add_argument("--port", type=int, default=8000, help="HTTP: port (0: any free port)")
+    mcp.add_argument(
+        "--token",
+        default=None,
+        help="HTTP: bearer token (default: $KERNELEXEC_MCP_TOKEN, else "
+        "a generated one, printed at start)",
+    )
+    mcp.add_argument("--record", metavar="DIR", default=None, help="record sessions in DIR")
+    mcp.add_argument("--isolation", metavar="LEVEL", default=None, help="kernels' isolation level")
+    mcp.add_argument(
+        "--requirement",
+        "-r",
+        action="append",
+        default=[],
+        metavar="REQ",
+        help="run the kernels in a venv with this requirement (repeatable)",
+    )
+    mcp.add_argument("--timeout", type=float, default=None, help="default seconds per run")
+
     demo = sub.add_parser("demo", help="a scripted stateful agent session")
     demo.add_argument("--calls", type=int, default=200, help="warm calls to time at the end")
     demo.add_argument(
@@ -318,6 +348,33 @@ def _cmd_repl(ns: argparse.Namespace) -> int:
                 _print_result(session.run_code(code), False)
 
 
+def _cmd_mcp(ns: argparse.Namespace) -> int:
+    try:
+        from kernelexec._mcp._serve import serve
+    except ImportError as exc:
+        if not (exc.name or "").startswith(("mcp", "uvicorn", "starlette")):
+            raise
+        raise UsageError(
+            f"the MCP server needs the mcp extra ({exc.name} is missing): "
+            "pip install 'kernelexec[mcp]'"
+        ) from None
+    from kernelexec._mcp._options import McpOptions
+
+    options = McpOptions.from_flags(
+        tools=tuple(ns.tools),
+        transport=ns.transport,
+        host=ns.host,
+        port=ns.port,
+        token=ns.token,
+        record_dir=ns.record,
+        isolation=ns.isolation,
+        requirements=tuple(ns.requirement),
+        timeout=ns.timeout,
+    )
+    serve(options)
+    return EXIT_OK
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of the ``kernelexec`` command; returns the exit status."""
     ns = _parser().parse_args(argv)
@@ -329,6 +386,7 @@ def main(argv: list[str] | None = None) -> int:
         "replay": _cmd_replay,
         "tools": _cmd_tools,
         "env": _cmd_env,
+        "mcp": _cmd_mcp,
         "sessions": cmd_sessions,
         "attach": cmd_attach,
     }

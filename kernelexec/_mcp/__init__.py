@@ -1,0 +1,1 @@
+"""kernelexec as an MCP server (``kernelexec mcp``), built on the official ``mcp`` SDK."""
