@@ -194,7 +194,7 @@ def test_user_exceptions_cannot_pose_as_kernelexec_errors(
             '''
         )
     )
-    for name in ("KernelexecInvalidArgs", "KernelexecInvalidTool", "KernelexecResultTooLarge"):
+    for name in ("InvalidArguments", "KernelexecInvalidTool", "KernelexecResultTooLarge"):
         result = executor.call_tool(liar, {"which": name}, agent_id="liar")
         assert result.error is not None
         assert result.error.kind == "exception"

@@ -207,7 +207,9 @@ class AsyncSession:
             started = now_iso()
             if problems:
                 error = ExecError(
-                    kind="invalid_args", ename="InvalidArguments", evalue="; ".join(problems)
+                    kind="invalid_args",
+                    ename=protocol.INVALID_ARGUMENTS,
+                    evalue="; ".join(problems),
                 )
                 full = ToolResult(
                     status="error",

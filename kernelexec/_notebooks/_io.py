@@ -53,13 +53,15 @@ def python_literal(value: Any) -> str:
     return repr(value)
 
 
-def call_source(name: str, args: dict[str, Any]) -> str:
-    """The Python call ``name(a=1, b='x')`` for JSON ``args``."""
+def call_source(name: str, args: dict[str, Any], *, awaited: bool = False) -> str:
+    """The Python call ``name(a=1, b='x')`` for JSON ``args``; ``await name(...)`` when
+    ``awaited`` (an ``async def`` tool: IPython runs top-level await on the kernel's loop)."""
     if all(k.isidentifier() and not keyword.iskeyword(k) for k in args):
         inner = ", ".join(f"{k}={python_literal(v)}" for k, v in args.items())
     else:
         inner = f"**{python_literal(args)}"
-    return f"{name}({inner})"
+    call = f"{name}({inner})"
+    return f"await {call}" if awaited else call
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -208,7 +208,7 @@ class SessionRecorder:
             call_args = dict(args)
             if tool.takes_agent_state:
                 call_args["agent_state"] = state_json(record.agent_state)
-            source = call_source(tool.name, call_args)
+            source = call_source(tool.name, call_args, awaited=tool.is_async)
         meta = self._meta("tool_call", record, fresh)
         meta["tool"] = tool.name
         meta["args"] = args

@@ -148,7 +148,11 @@ def tool_call_request(
     max_result_chars: int,
     display: bool,
 ) -> ExecuteRequest:
-    """A tool call: the arguments travel as JSON in the metadata, never as code."""
+    """A tool call: the arguments travel as JSON in the metadata, never as code.
+
+    An ``async def`` tool is awaited by the cell itself (``await ...acall()``), so it runs on
+    the kernel's own event loop.
+    """
     spec: dict[str, Any] = {
         "name": tool.name,
         "digest": tool.digest,
@@ -162,7 +166,7 @@ def tool_call_request(
     if display:
         spec["display"] = True
     return ExecuteRequest(
-        code=f"{_MODULE}.call()",
+        code=f"await {_MODULE}.acall()" if tool.is_async else f"{_MODULE}.call()",
         user_expressions=_REPORT,
         metadata={kernel_side.METADATA_KEY: spec},
     )
@@ -219,8 +223,19 @@ def failure_kind(reply: dict[str, Any]) -> ErrorKind:
     return "exception"
 
 
+INVALID_ARGUMENTS = "InvalidArguments"
+"""The ``ename`` of every ``invalid_args`` error, whether the host's schema check or the
+kernel's signature check found the problem."""
+
+
 def error_from(content: dict[str, Any], kind: ErrorKind) -> ExecError:
-    """An :class:`ExecError` from an ``error`` output or an error ``execute_reply``."""
+    """An :class:`ExecError` from an ``error`` output or an error ``execute_reply``.
+
+    An ``invalid_args`` error found in the kernel looks like one the host found: the same
+    ``ename`` and no traceback (it would only show kernelexec's own frames).
+    """
+    if kind == kernel_side.INVALID_ARGS:
+        return ExecError(kind=kind, ename=INVALID_ARGUMENTS, evalue=str(content.get("evalue", "")))
     return ExecError(
         kind=kind,
         ename=str(content.get("ename", "Error")),

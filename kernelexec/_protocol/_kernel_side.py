@@ -12,6 +12,7 @@ What it does inside the kernel:
   (``OUTPUTS_PAYLOAD``), so the host can tell when the transport dropped some;
 * keeps no output history (IPython 9 would keep every printed byte for the kernel's lifetime);
 * runs tool calls whose arguments arrive as JSON in the request's metadata, never as code;
+* awaits ``async def`` tools on the kernel's own event loop, so that an interrupt stops them;
 * converts return values to JSON (see :func:`to_jsonable` for the rules) and hands them back
   through ``user_expressions`` in the execute reply, a channel the tool's own prints and displays
   cannot write to;
@@ -25,6 +26,7 @@ imports this module; nothing here imports anything of kernelexec.
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import dataclasses
@@ -39,6 +41,7 @@ import math
 import os
 import pathlib
 import select
+import signal
 import sys
 import threading
 import time
@@ -70,8 +73,11 @@ class KernelexecInvalidTool(Exception):
     """The tool's source did not compile, failed at definition, or lacks the function."""
 
 
-class KernelexecInvalidArgs(Exception):
-    """The arguments could not be bound to the tool's signature."""
+class InvalidArguments(Exception):
+    """The arguments could not be bound to the tool's signature.
+
+    The host gives the same ``ename`` when it rejects arguments against the schema.
+    """
 
 
 class KernelexecResultTooLarge(Exception):
@@ -580,12 +586,8 @@ def _wrap(value: Any) -> Any:
     return value
 
 
-def call() -> Any:
-    """Run the tool call described in the request metadata; the result waits for ``report``.
-
-    When the request asks for ``display`` (a recorded session), the return value is also
-    returned, so that IPython shows it as the cell's result exactly as the recorded call would.
-    """
+def _prepare() -> tuple[Any, dict[str, Any], dict[str, Any]]:
+    """The tool function, its bound arguments and the request's spec, from the metadata."""
     _state["result"] = None
     spec = _payload()
     name = spec["name"]
@@ -595,20 +597,24 @@ def call() -> Any:
     if digest != spec["digest"]:
         fn, signature = _define(name, spec["source"], spec["digest"])
     args = json.loads(spec["args"])
-    has_state = "agent_state" in spec
-    if has_state:
+    if "agent_state" in spec:
         args["agent_state"] = _load_agent_state(spec["agent_state"])
     if signature is not None:
         try:
             signature.bind(**args)
         except TypeError as exc:
-            raise _failed(INVALID_ARGS, KernelexecInvalidArgs(f"{name}(): {exc}")) from None
+            raise _failed(INVALID_ARGS, InvalidArguments(f"{name}(): {exc}")) from None
+    return fn, args, spec
 
+
+@contextlib.contextmanager
+def _call_env(spec: dict[str, Any]) -> Any:
+    """The call's own environment variables, set only while the tool runs."""
     env = spec.get("env") or {}
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
-        value = fn(**args)
+        yield
     finally:
         for key, old in saved.items():
             if old is None:
@@ -616,8 +622,84 @@ def call() -> Any:
             else:
                 os.environ[key] = old
 
+
+def call() -> Any:
+    """Run the tool call described in the request metadata; the result waits for ``report``.
+
+    When the request asks for ``display`` (a recorded session), the return value is also
+    returned, so that IPython shows it as the cell's result exactly as the recorded call would.
+    The host sends ``await acall()`` instead for ``async def`` tools; a plain function that
+    returns an awaitable anyway is refused rather than reported as an un-awaited object.
+    """
+    fn, args, spec = _prepare()
+    with _call_env(spec):
+        value = fn(**args)
+    if inspect.isawaitable(value):
+        close = getattr(value, "close", None)
+        if callable(close):
+            close()  # no "coroutine was never awaited" warning on top of the error
+        message = (
+            f"tool {spec['name']!r} returned an awaitable but is not defined with `async def`; "
+            "kernelexec awaits only async def tools"
+        )
+        raise _failed(INVALID_TOOL, KernelexecInvalidTool(message))
+    return _finish(value, args, spec)
+
+
+async def acall() -> Any:
+    """:func:`call` for ``async def`` tools, awaited on the kernel's own event loop.
+
+    The request's code is ``await __kernelexec__.acall()``, a top-level-await cell that
+    IPython runs as a task on the kernel's running loop; the tool's coroutine gets a task of
+    its own, so an interrupt can cancel it (see :func:`_await_interruptibly`).
+    """
+    fn, args, spec = _prepare()
+    with _call_env(spec):
+        value = fn(**args)
+        if inspect.isawaitable(value):
+            value = await _await_interruptibly(value)
+    return _finish(value, args, spec)
+
+
+async def _await_interruptibly(awaitable: Any) -> Any:
+    """Await ``awaitable`` as its own task; SIGINT cancels it and raises KeyboardInterrupt.
+
+    ipykernel's own SIGINT handling for async cells only takes effect once the loop wakes up
+    (measured with ipykernel 7.4: an interrupted ``await asyncio.sleep(10)`` ended after the
+    full 10 s, as ``CancelledError``). Here the handler wakes the loop at once; when the signal
+    lands in the tool's own code (a busy loop between awaits) it raises there instead.
+    KeyboardInterrupt is raised from this coroutine, inside the cell, where IPython reports
+    it like an interrupted sync tool; it never escapes into the event loop.
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.ensure_future(awaitable)
+    interrupted = False
+
+    def on_sigint(signum: int, frame: Any) -> None:
+        nonlocal interrupted
+        interrupted = True
+        if asyncio.current_task(loop) is task:
+            raise asyncio.CancelledError  # in the tool's own code: the task ends cancelled
+        loop.call_soon_threadsafe(task.cancel)
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        return await task
+    except asyncio.CancelledError:
+        if interrupted:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
+        if not task.done():
+            task.cancel()
+
+
+def _finish(value: Any, args: dict[str, Any], spec: dict[str, Any]) -> Any:
+    """Keep the JSON result for ``report``; return ``value`` when the cell should show it."""
     result: dict[str, Any] = {"return": to_jsonable(value)}
-    if has_state:
+    if "agent_state" in spec:
         result["agent_state"] = to_jsonable(args["agent_state"])
     limit = int(spec.get("max_result_chars", 10_000_000))
     for part, data in result.items():

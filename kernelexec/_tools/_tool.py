@@ -44,6 +44,7 @@ class Tool(BaseModel):
 
     _validator: Any = PrivateAttr(default=None)
     _agent_state: bool | None = PrivateAttr(default=None)
+    _async: bool | None = PrivateAttr(default=None)
     _digest: str | None = PrivateAttr(default=None)
 
     @field_validator("name")
@@ -58,7 +59,8 @@ class Tool(BaseModel):
         """Build a tool from a function defined in a source file.
 
         The function must be self-contained (imports inside it, or in ``pip_requirements``):
-        only its own source is sent to the kernel. Decorators are dropped.
+        only its own source is sent to the kernel. Decorators are dropped. ``async def``
+        functions are awaited on the kernel's event loop; generator functions are refused.
 
         Raises:
             ToolDefinitionError: the function's source cannot be found or parsed.
@@ -84,8 +86,9 @@ class Tool(BaseModel):
             **kwargs: Other :class:`Tool` fields (``pip_requirements``, ``args_json_schema``).
 
         Raises:
-            ToolDefinitionError: the source does not parse, or the function is missing or
-                ambiguous.
+            ToolDefinitionError: the source does not parse, the function is missing or
+                ambiguous, has positional-only parameters, or is a generator function
+                (``yield``; sync or async): a tool returns its result, it does not stream it.
         """
         functions = _parse_functions(source)
         if name is None:
@@ -99,8 +102,6 @@ class Tool(BaseModel):
         node = functions.get(name)
         if node is None:
             raise ToolDefinitionError(f"the source defines no top-level function {name!r}")
-        if isinstance(node, ast.AsyncFunctionDef):
-            raise ToolDefinitionError(f"tool {name!r} is async; tools must be plain functions")
         _refuse_shape(node)
         schema, notes = function_schema(node)
         for note in notes:
@@ -148,15 +149,32 @@ class Tool(BaseModel):
             object.__setattr__(self, "_agent_state", self._find_agent_state())
         return bool(self._agent_state)
 
-    def _find_agent_state(self) -> bool:
+    @property
+    def is_async(self) -> bool:
+        """Whether the function is an ``async def`` (awaited on the kernel's event loop)."""
+        if self._async is None:
+            node = self._node()
+            object.__setattr__(self, "_async", isinstance(node, ast.AsyncFunctionDef))
+        return bool(self._async)
+
+    def _node(self) -> ast.FunctionDef | ast.AsyncFunctionDef | None:
         try:
-            node = _parse_functions(self.source_code).get(self.name)
+            return _parse_functions(self.source_code).get(self.name)
         except ToolDefinitionError:
-            return False
+            return None  # reported by the kernel when the tool is called (invalid_tool)
+
+    def _find_agent_state(self) -> bool:
+        return "agent_state" in self.parameter_names
+
+    @property
+    def parameter_names(self) -> tuple[str, ...]:
+        """The function's parameter names as its source declares them (none when the source
+        does not parse or lacks the function)."""
+        node = self._node()
         if node is None:
-            return False
+            return ()
         a = node.args
-        return any(p.arg == "agent_state" for p in [*a.posonlyargs, *a.args, *a.kwonlyargs])
+        return tuple(p.arg for p in [*a.posonlyargs, *a.args, *a.kwonlyargs])
 
     @property
     def parameters_schema(self) -> dict[str, Any]:
@@ -215,7 +233,7 @@ def _describe(error: jsonschema.ValidationError) -> str:
     return f"argument {where!r}: {error.message}" if where else error.message
 
 
-def _refuse_shape(node: ast.FunctionDef) -> None:
+def _refuse_shape(node: ast.FunctionDef | ast.AsyncFunctionDef) -> None:
     """Refuse, at definition, the function shapes a call could not honour."""
     if node.args.posonlyargs:
         names = ", ".join(a.arg for a in node.args.posonlyargs)
@@ -230,7 +248,7 @@ def _refuse_shape(node: ast.FunctionDef) -> None:
         )
 
 
-def _is_generator(node: ast.FunctionDef) -> bool:
+def _is_generator(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
     """Whether ``yield`` appears in the function's own body (not in nested scopes)."""
     stack: list[ast.AST] = list(node.body)
     nested = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
