@@ -64,6 +64,10 @@ class ExecutorConfig(BaseModel):
             ``"uv"`` or ``"pip"``.
         record_dir: Also save each session's recording to ``<record_dir>/<agent id>.ipynb``
             after every run (implies ``record``; created if missing).
+        attachable: Register each session's kernel (its connection file, mode 0600, in a
+            private per-user directory) so that ``kernelexec attach`` can open a console on it.
+            A security choice, off by default: whoever can read that file (this user) can run
+            code in the agent's kernel.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -85,6 +89,7 @@ class ExecutorConfig(BaseModel):
     cache_dir: Path | None = None
     installer: Literal["auto", "uv", "pip"] = "auto"
     record_dir: Path | None = None
+    attachable: bool = False
 
     @field_validator(
         "default_timeout",

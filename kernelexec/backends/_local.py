@@ -238,6 +238,21 @@ class LocalConnection(KernelConnection):
             return ""
         return f"\nkernel stderr:\n{text}" if text else ""
 
+    def connection_info(self) -> dict[str, Any] | None:
+        km = self._km
+        if km is None:
+            return None
+        info = dict(km.get_connection_info(session=False))
+        key = info.get("key", b"")
+        info["key"] = key.decode() if isinstance(key, bytes) else str(key)
+        info["kernel_name"] = ""
+        return info
+
+    def kernel_pid(self) -> int | None:
+        km = self._km
+        proc = getattr(km.provisioner, "process", None) if km is not None else None
+        return getattr(proc, "pid", None)
+
     async def send(
         self,
         channel: Literal["shell", "control"],
