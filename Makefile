@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check bench soak bwrap clean
+.PHONY: demo test check bench soak bwrap clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,8 +23,15 @@ bwrap:
 		|| (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1)) \
 		|| echo "bubblewrap not installed: the bwrap cases will skip"; }
 
-test: $(STAMP) bwrap
+test: $(STAMP) bwrap browser
 	$(BIN)/python -m pytest -q -n 2 tests
+
+# The browser tests need Debian's chromium (Playwright cannot download its own browser here):
+# installed when we can (root with apt-get); otherwise those tests skip and say why.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& (apt-get update -qq && apt-get install -y -qq chromium) >/dev/null 2>&1; } \
+		|| echo "chromium is not installed: the browser tests will be skipped"
 
 check: $(STAMP)
 	$(BIN)/ruff check kernelexec tests benchmarks

@@ -71,6 +71,10 @@ class ExecutorConfig(BaseModel):
         limits: Resource limits per kernel (None: the defaults; not allowed with ``"none"``).
         network: Whether kernels may use the network; None: off under ``"bwrap"`` (loopback
             only), on otherwise. ``False`` needs ``"bwrap"``.
+        attachable: Register each session's kernel (its connection file, mode 0600, in a
+            private per-user directory) so that ``kernelexec attach`` can open a console on it.
+            A security choice, off by default: whoever can read that file (this user) can run
+            code in the agent's kernel.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -95,6 +99,7 @@ class ExecutorConfig(BaseModel):
     isolation: Literal["none", "process", "bwrap"] | None = None
     limits: Limits | None = None
     network: bool | None = None
+    attachable: bool = False
 
     @field_validator(
         "default_timeout",

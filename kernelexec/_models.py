@@ -158,6 +158,8 @@ class Execution(BaseModel):
         recording_error: Why this run could not be saved to the session's recording file
             (``None`` when it was saved, or nothing is recorded to a file). The notebook stays
             complete in memory and the next save writes it whole.
+        widgets_dropped: How many ipywidgets the code displayed. No frontend renders them
+            here, so ``outputs`` holds only their text fallback.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -174,6 +176,7 @@ class Execution(BaseModel):
     lost_variables: list[str] = Field(default_factory=list)
     lost_outputs: int = 0
     recording_error: str | None = None
+    widgets_dropped: int = 0
 
     @property
     def ok(self) -> bool:

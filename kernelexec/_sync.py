@@ -135,6 +135,10 @@ class Session:
             on_display=on_display,
         )
 
+    def variables(self) -> dict[str, dict[str, str]]:
+        """The user's variables in the kernel; see :meth:`AsyncSession.variables`."""
+        return self._portal.call(self._inner.variables)
+
     def interrupt(self) -> None:
         """Interrupt the running code; see :meth:`AsyncSession.interrupt`."""
         self._portal.call(self._inner.interrupt)

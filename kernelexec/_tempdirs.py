@@ -91,3 +91,13 @@ def sweep_once() -> list[str]:
         return []
     _swept = True
     return sweep_stale()
+
+
+def process_start_time(pid: int) -> str:
+    """The start token of process ``pid`` (as written in owner files), or ''."""
+    return _start_time(pid)
+
+
+def process_alive(pid: int, start: str) -> bool:
+    """Whether process ``pid`` runs and is the one that started at ``start`` (if given)."""
+    return _alive(pid, start)

@@ -24,6 +24,8 @@ def pytest_configure(config: pytest.Config) -> None:
     tempfile.tempdir = _TEMP_ROOT
     # No test may build venvs in the user's cache: by default they go under the temp root.
     os.environ["KERNELEXEC_CACHE_DIR"] = os.path.join(_TEMP_ROOT, "cache")
+    # Nor register attachable sessions in the user's runtime directory.
+    os.environ["KERNELEXEC_RUNTIME_DIR"] = os.path.join(_TEMP_ROOT, "runtime")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

@@ -71,3 +71,19 @@ def test_notebooks_are_stored_without_outputs(path: Path) -> None:
     nb = nbformat.read(path, as_version=4)
     nbformat.validate(nb)
     assert all(not c.get("outputs") for c in nb.cells if c.cell_type == "code")
+
+
+def test_debugging_a_tool_notebook() -> None:
+    nb = execute("debugging_a_tool.ipynb")
+    cells = [c for c in nb.cells if c.cell_type == "code"]
+    shown = cells[0].outputs[0]["data"]
+    assert "application/vnd.jupyter.widget-view+json" in shown  # the debugger was displayed
+    assert text_of(cells[1]) == "success {'words': 5, 'top': [['the', 2], ['cat', 1]]}\n"
+    assert text_of(cells[2]) == (
+        "error invalid_args - env vars: must be a JSON object of strings\n"
+    )
+    assert text_of(cells[3]).splitlines() == [
+        "[({'text': 'the cat and the hat', 'top': 2}, 'success')]",
+        "['word_stats']",
+    ]
+    assert text_of(cells[4]) == "2 cells replayed, 0 differing\n"

@@ -15,7 +15,7 @@ def test_public_api_is_curated() -> None:
     for name in kx.__all__:
         assert hasattr(kx, name), name
     public = {n for n in dir(kx) if not n.startswith("_")}
-    modules = {"backends", "compat"}  # public subpackages (present once imported)
+    modules = {"backends", "compat", "widgets"}  # public subpackages (present once imported)
     assert public - modules - set(kx.__all__) == set()
 
 

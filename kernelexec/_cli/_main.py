@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from kernelexec._cli._attach import add_parsers, cmd_attach, cmd_sessions
 from kernelexec._cli._progress import ProgressDisplay
 from kernelexec._config import valid_timeout
 from kernelexec._envs._builder import EnvBuilder, list_envs, prune_envs
@@ -155,6 +156,7 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument(
         "--record", metavar="DIR", default="kernelexec-demo", help="where the notebook goes"
     )
+    add_parsers(sub)
     return parser
 
 
@@ -385,6 +387,8 @@ def main(argv: list[str] | None = None) -> int:
         "tools": _cmd_tools,
         "env": _cmd_env,
         "mcp": _cmd_mcp,
+        "sessions": cmd_sessions,
+        "attach": cmd_attach,
     }
     try:
         if ns.command == "demo":

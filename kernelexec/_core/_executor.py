@@ -12,6 +12,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from kernelexec._config import ExecutorConfig, make_config
+from kernelexec._core._attach import SessionRegistration
 from kernelexec._core._budget import KernelBudget
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import OutputCallback
@@ -296,7 +297,10 @@ class AsyncKernelExecutor:
                 path = Path(cfg.record_dir) / f"{name}.ipynb"
             recorder = SessionRecorder(agent_id, path, fingerprint, env.model_dump(mode="json"))
         workdir = self._session_dir(agent_id)
-        lease = KernelLease(agent_id, lambda: self._pool_for(env), str(workdir))
+        registration = None
+        if cfg.attachable:
+            registration = SessionRegistration(agent_id, fingerprint, self.backend.name)
+        lease = KernelLease(agent_id, lambda: self._pool_for(env), str(workdir), registration)
         lease.carry_lost(self._lost_by_agent.pop(key, []))
         lease.on_evicted = lambda: self._park(key)
         lease.on_attached = lambda: self._unpark(key, lease)
@@ -313,6 +317,7 @@ class AsyncKernelExecutor:
             max_result_chars=cfg.max_result_chars,
             recorder=recorder,
             isolation=self.isolation_of(env),
+            observers=(registration,) if registration is not None else (),
             on_close=self._forget,
         )
         self._sessions[key] = session
@@ -345,6 +350,8 @@ class AsyncKernelExecutor:
         self._finalizers.pop(key, None)
         if recorder is not None:
             recorder.close()
+        if lease.watcher is not None:
+            lease.watcher.close()  # an attachable session's registry entry
         self._dirs_used.discard(PurePath(lease.workdir).name)
         lost = lease.pending_lost()
         if lost and self._state.is_open:

@@ -12,10 +12,20 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import Any, Protocol
 
 from kernelexec._core._pool import KernelPool
 from kernelexec.backends._base import KernelConnection
+
+
+class KernelWatcher(Protocol):
+    """Told whenever a lease's kernel changes (the live-attach registry is one)."""
+
+    def kernel_changed(self, conn: KernelConnection | None) -> None:
+        """The lease's kernel is now ``conn`` (None: it has none)."""
+
+    def close(self) -> None:
+        """The session is gone."""
 
 
 class KernelLease:
@@ -27,10 +37,15 @@ class KernelLease:
             build a virtual environment).
         workdir: The session's working directory, as the kernel sees it; a fresh kernel
             creates it and changes into it on its first request.
+        watcher: Told when the kernel changes.
     """
 
     def __init__(
-        self, agent_id: str, pool: Callable[[], Awaitable[KernelPool]], workdir: str
+        self,
+        agent_id: str,
+        pool: Callable[[], Awaitable[KernelPool]],
+        workdir: str,
+        watcher: KernelWatcher | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.workdir = workdir
@@ -42,6 +57,7 @@ class KernelLease:
         self._names: tuple[str, ...] = ()
         self._lost: list[str] | None = None  # state lost outside a run, not yet reported
         self._fresh = False
+        self.watcher = watcher
         self.generation = 0
         """How many kernels this lease has had (the current one's number)."""
         self.last_used = time.monotonic()
@@ -127,6 +143,7 @@ class KernelLease:
             return
         self._lost = (self._lost or []) + list(self._names)
         self._names = ()
+        self._tell(None)
         assert self._pool is not None
         await self._pool.discard(conn)
         if self.on_evicted is not None:
@@ -144,6 +161,8 @@ class KernelLease:
     async def release(self) -> None:
         """Shut the kernel down for good (the session closed)."""
         conn, self._conn = self._conn, None
+        if conn is not None:
+            self._tell(None)
         if conn is not None and self._pool is not None:
             await self._pool.discard(conn)
 
@@ -153,3 +172,8 @@ class KernelLease:
         self.generation += 1
         self._names = ()
         self._fresh = True
+        self._tell(self._conn)
+
+    def _tell(self, conn: KernelConnection | None) -> None:
+        if self.watcher is not None:
+            self.watcher.kernel_changed(conn)

@@ -18,6 +18,9 @@ from kernelexec.backends._base import KernelMessage
 
 OutputCallback = Callable[[Any], Awaitable[None] | None]
 
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+"""An ipywidget's view: it means something only to a frontend connected to that kernel's comms."""
+
 
 @dataclass
 class Callbacks:
@@ -46,6 +49,7 @@ class Collected:
     error: dict[str, Any] | None = None
     execution_count: int | None = None
     received: int = 0  # output messages that arrived (the kernel side counts those it sent)
+    widgets_dropped: int = 0
 
 
 _MARKER_SLACK = 4_096  # room for the kernel side's own truncation markers
@@ -110,6 +114,7 @@ class OutputCollector:
             self.out.execution_count = content.get("execution_count")
             self.out.result = str(output.get("data", {}).get("text/plain", ""))
         if kind in ("display_data", "execute_result"):
+            self._drop_widget(output)
             self._bound_display(output)
             display_id = (content.get("transient") or {}).get("display_id")
             if display_id:
@@ -142,6 +147,15 @@ class OutputCollector:
             outputs.append({"output_type": "stream", "name": name, "text": text})
         hook = self.callbacks.on_stdout if name == "stdout" else self.callbacks.on_stderr
         await self.callbacks.emit(hook, text)
+
+    def _drop_widget(self, output: dict[str, Any]) -> None:
+        data = output.get("data") or {}
+        if WIDGET_MIME in data:
+            # The widget's model lives in the sandbox kernel and nobody holds its comm: the
+            # view would render as an error, so keep the text fallback and say so.
+            del data[WIDGET_MIME]
+            data.setdefault("text/plain", "<ipywidget>")
+            self.out.widgets_dropped += 1
 
     def _bound_display(self, output: dict[str, Any]) -> None:
         data = output.get("data") or {}

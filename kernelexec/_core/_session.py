@@ -19,7 +19,7 @@ from nbformat import NotebookNode
 from kernelexec._config import valid_timeout
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
-from kernelexec._core._run import RunOutcome, finish_shielded, run_request
+from kernelexec._core._run import RunOutcome, finish_shielded, run_internal, run_request
 from kernelexec._core._state import Lifecycle
 from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
 from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
@@ -269,6 +269,22 @@ class AsyncSession:
         outputs = [o for o in full.outputs if o.get("output_type") != "execute_result"]
         return full.model_copy(update={"outputs": outputs, "result": None})
 
+    async def variables(self, timeout: float = 10.0) -> dict[str, dict[str, str]]:
+        """The user's variables in the session's kernel: name -> ``{"type", "repr"}``.
+
+        Waits for the running call (if any), never starts a kernel (empty when none is
+        attached) and is not recorded. Reprs are cut at 120 characters.
+        """
+        async with self._lease.hold():
+            self._state.check()
+            conn = self._lease.connection
+            if conn is None:
+                return {}
+            out = await run_internal(conn, protocol.VARIABLES, timeout)
+        if out.died or out.timed_out or out.reply is None:
+            return {}
+        return protocol.read_variables(out.reply)
+
     async def interrupt(self) -> None:
         """Interrupt whatever the kernel is running now (the running call gets the error)."""
         self._state.check()
@@ -484,6 +500,7 @@ class AsyncSession:
             "execution_count": collected.execution_count,
             "kernel_restarted": restarted,
             "lost_variables": sorted(set(lost_names)),
+            "widgets_dropped": collected.widgets_dropped,
         }
         return fields, report
 

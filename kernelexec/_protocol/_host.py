@@ -106,6 +106,33 @@ WARM_TRACEBACKS = ExecuteRequest(
 """Formats one traceback ahead of need, so a prewarmed kernel's first error is not slow."""
 
 
+VARIABLES_KEY = "kx_vars"
+VARIABLES = ExecuteRequest(
+    code="",
+    silent=True,
+    store_history=False,
+    user_expressions={VARIABLES_KEY: f"{_MODULE}.variables()"},
+)
+"""Reads the user's variables (name, type, short repr) without running user-visible code."""
+
+
+def read_variables(reply: dict[str, Any]) -> dict[str, dict[str, str]]:
+    """The variables from the reply to :data:`VARIABLES` (empty when the kernel sent none)."""
+    entry = (reply.get("user_expressions") or {}).get(VARIABLES_KEY) or {}
+    text = (entry.get("data") or {}).get(RESULT_MIME)
+    try:
+        data = json.loads(text) if isinstance(text, str) else {}
+    except ValueError:
+        return {}
+    if not isinstance(data, dict):
+        return {}
+    return {
+        str(name): {"type": str(info.get("type", "")), "repr": str(info.get("repr", ""))}
+        for name, info in data.items()
+        if isinstance(info, dict)
+    }
+
+
 def code_request(code: str, env_vars: dict[str, str] | None = None) -> ExecuteRequest:
     """A ``run_code`` request: the code as it is, the report, and the run's own variables."""
     metadata = {kernel_side.METADATA_KEY: {"env": dict(env_vars)}} if env_vars else {}

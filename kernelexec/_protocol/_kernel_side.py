@@ -486,6 +486,32 @@ def report() -> _Report:
     return _Report()
 
 
+class _Variables:
+    """The user's variables with their types and short reprs, read back by the host."""
+
+    def __init__(self, repr_chars: int) -> None:
+        self._chars = repr_chars
+
+    def __repr__(self) -> str:
+        return "<kernelexec variables>"
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        ns = _ip().user_ns
+        found: dict[str, dict[str, str]] = {}
+        for name in user_names():
+            value = ns[name]
+            text = _safe_repr(value)
+            if len(text) > self._chars:
+                text = text[: self._chars - 1] + "\u2026"
+            found[name] = {"type": type(value).__name__, "repr": text}
+        return {RESULT_MIME: json.dumps(found, ensure_ascii=False)}
+
+
+def variables(repr_chars: int = 120) -> _Variables:
+    """For the host's variables view (``AsyncSession.variables``)."""
+    return _Variables(repr_chars)
+
+
 def _define(name: str, source: str, digest: str) -> tuple[Any, inspect.Signature | None]:
     filename = f"<kernelexec tool {name}>"
     try:

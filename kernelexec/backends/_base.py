@@ -161,6 +161,18 @@ class KernelConnection(abc.ABC):
         """
         return None
 
+    def connection_info(self) -> dict[str, Any] | None:
+        """A Jupyter connection file's content (transport, addresses, key) with which another
+        client on this machine can reach the kernel, or None when it cannot (the default).
+
+        Called by the executor for ``attachable=True`` sessions only, after each (re)start.
+        """
+        return None
+
+    def kernel_pid(self) -> int | None:
+        """The kernel's process id on this machine, or None when unknown (the default)."""
+        return None
+
 
 class KernelBackend(abc.ABC):
     """Starts kernels. One backend instance may serve many executors.

@@ -27,6 +27,7 @@ import time
 from collections import deque
 from typing import IO, Any, Literal
 
+import psutil
 import zmq
 import zmq.asyncio
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
@@ -348,6 +349,35 @@ class LocalConnection(KernelConnection):
         except (OSError, ValueError):
             return ""
         return f"\nkernel stderr:\n{text}" if text else ""
+
+    def connection_info(self) -> dict[str, Any] | None:
+        km = self._km
+        if km is None:
+            return None
+        info = dict(km.get_connection_info(session=False))
+        key = info.get("key", b"")
+        info["key"] = key.decode() if isinstance(key, bytes) else str(key)
+        info["kernel_name"] = ""
+        return info
+
+    def kernel_pid(self) -> int | None:
+        km = self._km
+        proc = getattr(km.provisioner, "process", None) if km is not None else None
+        pid = getattr(proc, "pid", None)
+        if pid is None or self._plan is None:
+            return pid
+        # Under the launcher (and bubblewrap) the kernel is the deepest process running the
+        # lean launcher's code.
+        try:
+            found = [
+                p
+                for p in psutil.Process(pid).children(recursive=True)
+                if any("from ipykernel import kernelapp" in arg for arg in p.cmdline())
+            ]
+        except psutil.Error:
+            return None
+        inner = [p for p in found if not any(q.ppid() == p.pid for q in found)]
+        return inner[0].pid if inner else None
 
     async def send(
         self,
