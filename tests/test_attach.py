@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
 
 import kernelexec as kx
@@ -104,7 +105,7 @@ def kernelexec(capsys: pytest.CaptureFixture[str], *args: str) -> tuple[int, str
 
 
 def _cmdline(pid: int) -> bytes:
-    return Path(f"/proc/{pid}/cmdline").read_bytes()
+    return " ".join(psutil.Process(pid).cmdline()).encode()
 
 
 def test_sessions_lists_a_live_executor_of_another_process(

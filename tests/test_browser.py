@@ -8,6 +8,7 @@ Chromium is kept off the network: a dead proxy for everything but loopback, and 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -24,7 +25,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import psutil
 import pytest
+
+from tests.procs import mentioning
 
 CHROMIUM = Path("/usr/bin/chromium")
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"
@@ -63,20 +67,6 @@ def _request(url: str, method: str = "GET") -> int:
         return int(exc.code)
     except OSError:
         return 0
-
-
-def _processes_under(path: Path) -> list[int]:
-    """Pids whose command line mentions ``path`` (kernels started for this test)."""
-    needle = str(path).encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                if needle in (entry / "cmdline").read_bytes():
-                    found.append(int(entry.name))
-            except OSError:
-                continue
-    return found
 
 
 @pytest.fixture
@@ -147,13 +137,13 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
         except subprocess.TimeoutExpired:
             os.killpg(server.pid, signal.SIGKILL)
             server.wait(10)
-        deadline = time.monotonic() + 30
-        while _processes_under(short) and time.monotonic() < deadline:
-            time.sleep(0.1)  # kernels exiting on their own: nothing to wait on but /proc
+        # Kernels exiting on their own: wait for them (psutil polls their exit), then kill
+        # whatever is left.
+        _, left = psutil.wait_procs(mentioning(str(short)), timeout=30)
         log.close()
-        left = _processes_under(short)
-        for pid in left:
-            os.kill(pid, signal.SIGKILL)
+        for proc in left:
+            with contextlib.suppress(psutil.Error):
+                proc.kill()
         shutil.rmtree(short, ignore_errors=True)
         assert not left, f"processes left running after the server stopped: {left}"
 
