@@ -234,8 +234,9 @@ async def test_calls_on_one_session_run_in_submission_order() -> None:
 @pytest.mark.anyio
 async def test_sessions_run_in_parallel(tmp_path: object) -> None:
     # A waits for a file that only B creates: serialised sessions would deadlock into A's timeout.
+    # Two kernels sharing a host file is what tenants must not do: both run as the host's user.
     flag = os.path.join(str(tmp_path), "flag")
-    async with kx.AsyncKernelExecutor() as ex:
+    async with kx.AsyncKernelExecutor(isolation="none") as ex:
         a, b = await ex.session("par-a"), await ex.session("par-b")
         await asyncio.gather(a.run_code("1"), b.run_code("1"))
         wait = a.run_code(

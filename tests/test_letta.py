@@ -51,6 +51,17 @@ def executor() -> Iterator[None]:
     assert not kernel_children() - before, "the Letta executor left kernels running"
 
 
+@pytest.fixture
+def same_user() -> Iterator[None]:
+    """Kernels as the host's user, as Letta's local sandbox runs its tools: for tests whose
+    ``sandbox_dir`` (or a file the host waits on) is a host directory under the test's temp
+    root, which a kernel running as its own user neither sees nor may write (isolation
+    "process" on a root host)."""
+    letta.configure(env_vars={"PYTHONPATH": ROOT}, isolation="none")
+    yield
+    letta.configure(env_vars={"PYTHONPATH": ROOT})
+
+
 async def run(
     fn: Any,
     args: dict[str, Any] | None = None,
@@ -278,7 +289,7 @@ async def test_bad_timeout_setting_is_a_clear_error(
 
 
 async def test_sandbox_dir_is_the_working_directory_and_config_fingerprint(
-    executor: None, tmp_path: Path
+    executor: None, same_user: None, tmp_path: Path
 ) -> None:
     (tmp_path / "helpers.py").write_text("GREETING = 'hi from the codebase'\n")
     config = SandboxConfig(
@@ -360,7 +371,7 @@ def codebase(root: Path, cow_wheel: Path) -> Path:
 
 @pytest.mark.slow
 async def test_external_codebase_in_a_venv_from_config_requirements_txt_and_tool(
-    executor: None, tmp_path: Path, wheels: dict[str, Path]
+    executor: None, same_user: None, tmp_path: Path, wheels: dict[str, Path]
 ) -> None:
     assert importlib.util.find_spec("kxcow") is None  # not on the host
     sandbox_dir = codebase(tmp_path / "restaurant", wheels["kxcow"])
@@ -395,7 +406,7 @@ async def test_external_codebase_in_a_venv_from_config_requirements_txt_and_tool
 
 @pytest.mark.slow
 async def test_force_recreate_venv_rebuilds_it(
-    executor: None, tmp_path: Path, wheels: dict[str, Path]
+    executor: None, same_user: None, tmp_path: Path, wheels: dict[str, Path]
 ) -> None:
     local = LocalSandboxConfig(
         sandbox_dir=str(tmp_path),
@@ -449,7 +460,9 @@ async def test_runs_are_recorded_when_configured(executor: None, tmp_path: Path)
     assert report.cells_run == 2 and report.differences == []
 
 
-async def test_shutdown_during_a_run_fails_that_run_clearly(executor: None, tmp_path: Path) -> None:
+async def test_shutdown_during_a_run_fails_that_run_clearly(
+    executor: None, same_user: None, tmp_path: Path
+) -> None:
     marker = tmp_path / "started"
     os.mkfifo(marker)
     call = asyncio.ensure_future(

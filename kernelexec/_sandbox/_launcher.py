@@ -1,6 +1,7 @@
 """The launcher that sits between the host and a kernel: it puts the kernel in its cgroups,
-sets its rlimits, drops it to its own user, and reaps every descendant when the kernel ends,
-the host asks it to stop, or the host dies.
+sets its rlimits, bridges the paths its user cannot reach (``_mounts``), drops it to its own
+user, and reaps every descendant when the kernel ends, the host asks it to stop, or the host
+dies.
 
 It is standard-library Python run as text (``python -c``) by the host's interpreter, so it
 works for any kernel interpreter. It makes itself a child subreaper, so processes the kernel
@@ -17,8 +18,11 @@ from __future__ import annotations
 import json
 import sys
 
+from kernelexec._sandbox import _mounts
+
 # jupyter-client substitutes "{name}" in every argument: this text must contain none.
-SOURCE = r"""# kernelexec launcher
+SOURCE = (
+    r"""# kernelexec launcher
 import ctypes, json, os, resource, signal, sys, time
 cfg = json.loads(sys.argv[1])
 argv = sys.argv[2:]
@@ -75,6 +79,7 @@ def setup():
             fh.write(str(os.getpid()))
     for res, value in cfg["rlimits"]:
         resource.setrlimit(res, (value, value))
+    bridge(cfg["bridges"])
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.umask(0o077)
@@ -86,7 +91,9 @@ def setup():
     libc.prctl(1, signal.SIGKILL, 0, 0, 0)
     if os.getppid() != launcher:
         os._exit(1)
-
+"""
+    + _mounts.SOURCE
+    + r"""
 launcher = os.getpid()
 pid = os.fork()
 if pid == 0:
@@ -119,6 +126,7 @@ if status is not None and os.WIFSIGNALED(status):
     os.kill(os.getpid(), sig)
 sys.exit(os.WEXITSTATUS(status) if status is not None else 1)
 """
+)
 
 
 def launcher_argv(
@@ -128,9 +136,17 @@ def launcher_argv(
     rlimits: list[tuple[int, int]],
     uid: int | None,
     host_pid: int,
+    bridges: list[tuple[str, list[str]]] | None = None,
 ) -> list[str]:
-    """The command line that runs ``kernel_argv`` under the launcher."""
-    cfg = {"procs": procs, "rlimits": rlimits, "uid": uid, "host": host_pid}
+    """The command line that runs ``kernel_argv`` under the launcher (``bridges``: see
+    :mod:`kernelexec._sandbox._mounts`)."""
+    cfg = {
+        "procs": procs,
+        "rlimits": rlimits,
+        "uid": uid,
+        "host": host_pid,
+        "bridges": bridges or [],
+    }
     return [
         sys.executable,
         "-I",

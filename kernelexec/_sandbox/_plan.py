@@ -17,8 +17,8 @@ from functools import lru_cache
 
 import psutil
 
-from kernelexec._exceptions import ConfigError
-from kernelexec._sandbox import _bwrap, _cgroups, _users
+from kernelexec._exceptions import ConfigError, KernelStartError
+from kernelexec._sandbox import _bwrap, _cgroups, _mounts, _users
 
 LEVELS = ("none", "process", "bwrap")
 
@@ -54,6 +54,7 @@ class SandboxPlan:
     rlimits: list[tuple[int, int]] = field(default_factory=list)
     extra_env: dict[str, str] = field(default_factory=dict)
     own_user: bool = False
+    bridge: bool = False
     use_cgroup: bool = False
     readonly: tuple[str, ...] = ()
     limits_text: dict[str, str] = field(default_factory=dict)
@@ -64,6 +65,21 @@ class SandboxPlan:
         """``"memory_mb=256"``: a limit with its value, for errors."""
         value = self.cgroup_limits.get(name)
         return f"{name}={value:g}" if value is not None else name
+
+    def bridges(self, *handed: str | None) -> list[tuple[str, list[str]]]:
+        """What the launcher bridges for a kernel given the directories ``handed`` to it (its
+        own directory, the sessions' root): see :mod:`kernelexec._sandbox._mounts`.
+
+        Raises:
+            KernelStartError: a path the kernel needs is no longer reachable.
+        """
+        if not self.bridge:
+            return []
+        dirs = [d for d in handed if d]
+        try:
+            return _mounts.plan([*self.readonly, *dirs], dirs)
+        except _mounts.CannotBridge as exc:
+            raise KernelStartError(f"the kernel's user cannot reach what it needs: {exc}") from None
 
 
 @lru_cache(maxsize=32)
@@ -128,7 +144,7 @@ def make_plan(
             "user; it is not installed"
         )
     paths = interpreter_paths(python)
-    own_user, user_text = _user_plan(level, root, paths, workdir)
+    own_user, user_text, bridges = _user_plan(level, root, paths, workdir)
     sup = _cgroups.support()
     limits = {**default_limits(), **given}
     cg: dict[str, float] = {}
@@ -193,6 +209,15 @@ def make_plan(
         bounds["filesystem"] = (
             "the host's, as the kernel's user sees it; its own directory and working directory"
         )
+        if bridges:
+            names = {_kernel_dir(): "the kernel's own directory"}
+            if workdir:
+                names[workdir] = "the sessions' directory"
+            shown = _mounts.describe(bridges, names)
+            bounds["filesystem"] += (
+                f"; of the directories other users cannot search, its mount namespace shows "
+                f"only what it needs: {shown}"
+            )
         bounds["network"] = "the host's (no network namespace at this level)"
         bounds["processes"] = "the host's /proc" + (
             "; other users' /proc/<pid>/environ unreadable" if own_user else ""
@@ -217,6 +242,7 @@ def make_plan(
         rlimits=rl,
         extra_env=env,
         own_user=own_user,
+        bridge=bool(bridges),
         use_cgroup=bool(cg) or kill is not None,
         readonly=paths,
         limits_text=text,
@@ -225,33 +251,51 @@ def make_plan(
     )
 
 
+Bridges = list[tuple[str, list[str]]]
+
+
+def _kernel_dir() -> str:
+    """Where a kernel's own directory will be (made at launch: ``kx-XXXXXXXX``)."""
+    return os.path.join(tempfile.gettempdir(), "kx-")
+
+
 def _user_plan(
     level: str, root: bool, paths: tuple[str, ...], workdir: str | None
-) -> tuple[bool, str]:
+) -> tuple[bool, str, Bridges]:
+    """Whether kernels run as their own users, the text that says so, and the directories
+    bridged for them (``"process"`` on a root host)."""
     own = "its own unprivileged user (uid 2000000000 + n, one per kernel)"
     if not root:
         if level == "bwrap":
-            return False, (
-                "the host's user: kernels of one host user are separated by bwrap's namespaces, "
-                "not by users"
-            )
-        return False, (
-            "the host's user (not root): kernels of one user can reach each other's files and "
-            "processes at this level; only 'bwrap' separates them"
-        )
+            text = "the host's user: kernels of one host user are separated by bwrap's namespaces"
+            return False, text + ", not by users", []
+        text = "the host's user (not root): kernels of one user can reach each other's files"
+        return False, text + " and processes at this level; only 'bwrap' separates them", []
     if level == "bwrap":
-        return True, own + " through setpriv"
-    # The workdir itself is made searchable (not listable) by the backend: check its parent.
-    needed = [*paths, tempfile.gettempdir(), *([os.path.dirname(workdir)] if workdir else [])]
-    for path in needed:
-        where = _users.blocked(path)
-        if where is not None:
-            return False, (
-                f"the host's user (root): {path} is not reachable by other users, {where} "
-                "blocks it; put the interpreter and working directories where other users can "
-                "search, or use isolation='bwrap'"
-            )
-    return True, own
+        return True, own + " through setpriv", []
+    fallback = (
+        "the host's user (root): {}; put the interpreter and working directories where other "
+        "users can search, or use isolation='bwrap'"
+    )
+    # The kernel's own directory (made at launch under the temp dir) and the sessions' root are
+    # handed to the kernel's user or made searchable by the backend: their parents matter.
+    handed = [_kernel_dir(), *([workdir] if workdir else [])]
+    try:
+        bridges = _mounts.plan(paths, handed)
+    except _mounts.CannotBridge as exc:
+        return False, fallback.format(exc), []
+    if not bridges:
+        return True, own, []
+    refused = _mounts.support()
+    if refused is not None:
+        top, needed = bridges[0]
+        why = (
+            f"{needed[0]} is not reachable by other users ({top} is not searchable) and this "
+            f"host refuses the private mount namespace that would bridge it: {refused}"
+        )
+        return False, fallback.format(why), []
+    tops = ", ".join(top for top, _ in bridges)
+    return True, f"{own}; what it needs under {tops} is bridged to it (mount namespace)", bridges
 
 
 def _none_boundaries() -> dict[str, str]:

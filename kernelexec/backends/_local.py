@@ -290,6 +290,7 @@ class LocalConnection(KernelConnection):
                 rlimits=plan.rlimits,
                 uid=None if bwrap else self._uid,
                 host_pid=os.getpid(),
+                bridges=plan.bridges(kdir, self._workdir),
             )
         spec = KernelSpec(
             argv=argv,

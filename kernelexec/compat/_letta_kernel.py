@@ -25,8 +25,17 @@ def _kx_letta_enter(sandbox_dir: str | None) -> None:
     """Run in ``sandbox_dir`` (else the session's own directory) with it first on
     ``sys.path``, as Letta's script file there would be."""
     target = sandbox_dir or _kx_letta_home
-    os.makedirs(target, exist_ok=True)
-    os.chdir(target)
+    try:
+        os.makedirs(target, exist_ok=True)
+        os.chdir(target)
+    except OSError as exc:
+        # A kernel running as its own user (isolation "process" on a root host) reaches only
+        # what other users may search; the rest of a hidden directory is not even there.
+        raise PermissionError(
+            f"sandbox_dir {target} is not usable by this tool's kernel (uid {os.getuid()}): "
+            f"{exc.strerror}; make it reachable and writable by other users, or run the "
+            "adapter with configure(isolation='none') as Letta's local sandbox runs tools"
+        ) from None
     if not sys.path or sys.path[0] != target:
         if target in sys.path:
             sys.path.remove(target)

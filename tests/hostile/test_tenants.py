@@ -7,12 +7,14 @@ kernel, and no ``/proc/*/environ`` holds the host's secret.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 import kernelexec as kx
@@ -88,28 +90,77 @@ def test_bwrap_tenants_cannot_reach_each_other_or_the_hosts_environment(secret: 
     assert found == {"read": [], "reached": [], "environ": [], "own_env": False}
 
 
+def _owned_by(uid: int, *roots: str) -> list[str]:
+    """Paths under ``roots`` (the roots included) owned by ``uid``."""
+    found = []
+    for root in roots:
+        for top, dirs, files in os.walk(root):
+            for name in [".", *dirs, *files]:
+                path = os.path.normpath(os.path.join(top, name))
+                with contextlib.suppress(FileNotFoundError):
+                    if os.lstat(path).st_uid == uid:
+                        found.append(path)
+    return found
+
+
 @needs_root
+@pytest.mark.parametrize("host", ["bridged", "reachable"])
 def test_process_tenants_on_a_root_host_run_as_separate_users(
-    reachable_host: str, secret: str
+    host: str, secret: str, request: pytest.FixtureRequest
 ) -> None:
-    with kx.KernelExecutor(backend=LocalBackend(python=reachable_host)) as ex:
-        session = ex.session("tenant-a")
-        assert session.isolation.level == "process"
-        assert session.isolation.boundaries["user"].startswith("its own unprivileged user")
-        found = _hunt(ex, secret)
-        uid_a = ex.session("tenant-a").run_code("import os; os.getuid()").result
-        uid_b = ex.session("tenant-b").run_code("import os; os.getuid()").result
-        mode = ex.session("tenant-a").run_code(
-            "import os, stat; oct(stat.S_IMODE(os.stat(os.getcwd()).st_mode))"
-        )
-    assert found == {"read": [], "reached": [], "environ": [], "own_env": False}
-    assert uid_a != uid_b and int(uid_a or 0) >= 2_000_000_000
-    assert mode.result == "'0o700'"
+    # "bridged": this machine as it is (the interpreter under the 0700 /root, the temp root
+    # 0700); "reachable": laid out like a server, nothing in the way.
+    if host == "reachable":
+        backend = LocalBackend(python=request.getfixturevalue("reachable_host"))
+    else:
+        backend = LocalBackend()
+    home = Path(os.path.expanduser("~"))
+    planted = home / f".kx-hostile-{uuid.uuid4().hex}"
+    planted.write_text(secret)
+    try:
+        with kx.KernelExecutor(backend=backend) as ex:
+            session = ex.session("tenant-a")
+            isolation = session.isolation
+            assert isolation.level == "process"
+            assert isolation.boundaries["user"].startswith("its own unprivileged user")
+            # This suite's temp root is 0700: the bridged host always has something to bridge.
+            bridged = "bridged" in isolation.boundaries["user"]
+            assert bridged == (host == "bridged")
+            home_hidden = f"{home} shows only" in isolation.boundaries["filesystem"]
+            found = _hunt(ex, secret)
+            a, b = ex.session("tenant-a"), ex.session("tenant-b")
+            uid_a = int(a.run_code("import os; os.getuid()").result or 0)
+            uid_b = int(b.run_code("import os; os.getuid()").result or 0)
+            cwd = a.run_code("import os; st = os.stat(os.getcwd()); (oct(st.st_mode), st.st_uid)")
+            home_file = a.run_code(f"open({str(planted)!r}).read()")
+            pid = a.run_code("import os; os.getpid()").result
+            namespace = os.readlink(f"/proc/{pid}/ns/mnt")
+            workdir = str(a.workdir.parent)
+        assert found == {"read": [], "reached": [], "environ": [], "own_env": False}
+        assert uid_a != uid_b and min(uid_a, uid_b) >= 2_000_000_000
+        assert cwd.result == f"('0o40700', {uid_a})"
+        assert home_file.error is not None
+        # Bridged, the rest of the home is not even there; else its 0700 keeps the kernel out.
+        assert home_file.error.ename == ("FileNotFoundError" if home_hidden else "PermissionError")
+        # The kernel had a mount namespace of its own only when something was bridged, and
+        # nothing holds it once the kernel is gone.
+        assert (namespace != os.readlink("/proc/self/ns/mnt")) == bridged
+        left = []
+        for proc in psutil.process_iter():
+            with contextlib.suppress(psutil.Error, OSError):  # pid 1 here: EACCES
+                theirs = proc.uids().real in (uid_a, uid_b)
+                if theirs or (bridged and os.readlink(f"/proc/{proc.pid}/ns/mnt") == namespace):
+                    left.append(proc.pid)
+        assert left == []
+        assert _owned_by(uid_a, tempfile.gettempdir()) == []
+        assert not os.path.exists(workdir)  # the executor's own directory went with it
+    finally:
+        planted.unlink()
 
 
 @needs_root
-def test_process_tenants_cannot_read_each_others_session_files(reachable_host: str) -> None:
-    with kx.KernelExecutor(backend=LocalBackend(python=reachable_host)) as ex:
+def test_process_tenants_cannot_read_each_others_session_files() -> None:
+    with kx.KernelExecutor() as ex:
         a, b = ex.session("files-a"), ex.session("files-b")
         assert a.run_code("open('secret.txt', 'w').write('a only')").ok
         path = str(a.workdir / "secret.txt")
