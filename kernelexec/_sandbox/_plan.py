@@ -55,6 +55,7 @@ class SandboxPlan:
     extra_env: dict[str, str] = field(default_factory=dict)
     own_user: bool = False
     bridge: bool = False
+    reach: tuple[str, ...] = ()
     use_cgroup: bool = False
     readonly: tuple[str, ...] = ()
     limits_text: dict[str, str] = field(default_factory=dict)
@@ -77,33 +78,43 @@ class SandboxPlan:
             return []
         dirs = [d for d in handed if d]
         try:
-            return _mounts.plan([*self.readonly, *dirs], dirs)
+            return _mounts.plan([*self.reach, *dirs], dirs)
         except _mounts.CannotBridge as exc:
             raise KernelStartError(f"the kernel's user cannot reach what it needs: {exc}") from None
 
 
 @lru_cache(maxsize=32)
-def interpreter_paths(python: str) -> tuple[str, ...]:
-    """The directories an interpreter needs to run: its prefix, base prefix and the directory
-    of the executable it resolves to (asked of the interpreter once)."""
+def _interpreter(python: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """An interpreter's needed directories and the other directories on its ``sys.path``
+    (an editable install's source tree), asked of the interpreter once."""
     paths = {os.path.dirname(os.path.realpath(python))}
+    entries: list[str] = []
     try:
         out = subprocess.run(
             [
                 python,
                 "-I",
                 "-c",
-                "import sys, json; print(json.dumps([sys.prefix, sys.base_prefix]))",
+                "import sys, json; print(json.dumps([[sys.prefix, sys.base_prefix], sys.path]))",
             ],
             capture_output=True,
             text=True,
             timeout=30,
             check=True,
         ).stdout
-        paths.update(os.path.realpath(p) for p in json.loads(out))
+        prefixes, entries = json.loads(out)
+        paths.update(os.path.realpath(p) for p in prefixes)
     except (OSError, subprocess.SubprocessError, ValueError):
         pass  # not a Python (a test's fake interpreter): its own directory is all we know
-    return tuple(sorted(paths))
+    search = {os.path.realpath(p) for p in entries if p and os.path.isdir(p)}
+    search = {p for p in search if not any(p == q or p.startswith(q + "/") for q in paths)}
+    return tuple(sorted(paths)), tuple(sorted(search))
+
+
+def interpreter_paths(python: str) -> tuple[str, ...]:
+    """The directories an interpreter needs to run: its prefix, base prefix and the directory
+    of the executable it resolves to."""
+    return _interpreter(python)[0]
 
 
 def make_plan(
@@ -144,7 +155,11 @@ def make_plan(
             "user; it is not installed"
         )
     paths = interpreter_paths(python)
-    own_user, user_text, bridges = _user_plan(level, root, paths, workdir)
+    reach = paths
+    if level == "process" and root:
+        # Import paths beyond the prefixes (editable installs) are bridged when they can be.
+        reach += tuple(p for p in _interpreter(python)[1] if _bridgeable(p))
+    own_user, user_text, bridges = _user_plan(level, root, reach, workdir)
     sup = _cgroups.support()
     limits = {**default_limits(), **given}
     cg: dict[str, float] = {}
@@ -243,6 +258,7 @@ def make_plan(
         extra_env=env,
         own_user=own_user,
         bridge=bool(bridges),
+        reach=reach,
         use_cgroup=bool(cg) or kill is not None,
         readonly=paths,
         limits_text=text,
@@ -257,6 +273,14 @@ Bridges = list[tuple[str, list[str]]]
 def _kernel_dir() -> str:
     """Where a kernel's own directory will be (made at launch: ``kx-XXXXXXXX``)."""
     return os.path.join(tempfile.gettempdir(), "kx-")
+
+
+def _bridgeable(path: str) -> bool:
+    try:
+        _mounts.plan([path])
+    except _mounts.CannotBridge:
+        return False
+    return True
 
 
 def _user_plan(

@@ -8,6 +8,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 import kernelexec as kx
 from kernelexec._sandbox import _mounts
 from kernelexec._sandbox._plan import make_plan
+from kernelexec.backends import LocalBackend
 from tests.hostile.conftest import needs_root
 
 
@@ -113,3 +115,34 @@ def test_a_host_refusing_mount_namespaces_runs_kernels_as_root_saying_why() -> N
     assert out.startswith("False the host's user (root): ")
     assert "refuses the private mount namespace that would bridge it" in out
     assert "unshare(CLONE_NEWNS): Operation not permitted" in out
+
+
+@needs_root
+def test_an_editable_project_under_the_hosts_home_is_importable_and_nothing_else_there(
+    open_dir: Path,
+) -> None:
+    # A venv whose .pth files point at this environment's packages and at a project in the
+    # host's home (an editable install), as a developer's root machine has it.
+    home = Path(os.path.expanduser("~"))
+    project = home / f".kx-project-{os.getpid()}"
+    (project / "kxproject").mkdir(parents=True)
+    (project / "kxproject" / "__init__.py").write_text("WHERE = 'the home'\n")
+    try:
+        venv = open_dir / "venv"
+        subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+        site = next(venv.glob("lib/python*/site-packages"))
+        (site / "host.pth").write_text(sysconfig.get_paths()["purelib"] + "\n")
+        (site / "project.pth").write_text(f"{project}\n")
+        backend = LocalBackend(python=str(venv / "bin" / "python"))
+        with kx.KernelExecutor(backend=backend) as ex:
+            s = ex.session("editable")
+            assert s.isolation.boundaries["user"].startswith("its own unprivileged user")
+            found = s.run_code(
+                "import kxproject, os; (kxproject.WHERE, os.listdir(os.path.expanduser('~root')))"
+            )
+            assert found.ok, found.error
+            home_view = eval(found.result or "()")[1]
+        assert found.result is not None and "'the home'" in found.result
+        assert project.name in home_view and len(home_view) <= 2  # the project (and the Python)
+    finally:
+        shutil.rmtree(project)
