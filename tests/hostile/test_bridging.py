@@ -33,10 +33,8 @@ def test_a_workdir_under_a_private_directory_is_bridged_and_the_rest_is_hidden(
     with kx.KernelExecutor(workdir=private / "work") as ex:
         s = ex.session("deep")
         assert s.isolation.boundaries["user"].startswith("its own unprivileged user")
-        assert (
-            "shows only the kernel's own directory, the sessions' directory"
-            in (s.isolation.boundaries["filesystem"])
-        )
+        shown = s.isolation.boundaries["filesystem"]
+        assert "the sessions' directory" in shown and "the kernel's own directory" in shown
         assert s.run_code("open('mine.txt', 'w').write('k')").ok
         assert (s.workdir / "mine.txt").read_text() == "k"  # the host sees what it wrote
         listing = s.run_code(f"import os; sorted(os.listdir({str(private)!r}))")
