@@ -1,13 +1,14 @@
-"""The run loop: one execute request, from sending it to a complete, bounded result.
+"""The run loop: one request, from sending it to a complete, bounded result.
 
 Written once above the backend interface. A run is complete when both its ``execute_reply`` and
 the iopub ``status: idle`` for its msg_id have arrived, in either order (a big print arrives after
-the reply); a tool call the kernel side serves itself sends no busy/idle, and is complete when
-its reply and as many output messages as the reply counts have arrived. While waiting it watches the messages, the kernel's death (which the backend reports
-from ``receive``) and the deadline. Past the deadline the kernel is interrupted; if it does not
-finish within the grace period the caller must replace it. A run whose caller cancels it is
-interrupted the same way, and the loop keeps collecting for the grace period before it lets the
-cancellation go on, so the caller can tell whether the kernel stopped (``stuck`` if not).
+the reply); a tool call the kernel side serves itself sends no busy/idle, and is complete when its
+reply and as many output messages as the reply counts have arrived. While waiting it watches the
+messages, the kernel's death (which the backend reports from ``receive``) and the deadline. Past
+the deadline the kernel is interrupted; if it does not finish within the grace period the caller
+must replace it. A run whose caller cancels it is interrupted the same way, and the loop keeps
+collecting for the grace period before it lets the cancellation go on, so the caller can tell
+whether the kernel stopped (``stuck`` if not).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ async def run_request(
     out = out if out is not None else RunOutcome()
     collector = OutputCollector(out.collected, max_output_chars, callbacks or Callbacks())
     start = time.monotonic()
-    msg_id = await conn.send("shell", request.msg_type, request.content(), metadata=request.metadata)
+    content = request.content()
+    msg_id = await conn.send("shell", request.msg_type, content, metadata=request.metadata)
     run = _Run(msg_id, request.reply_type, request.quiet, out, collector)
     try:
         await _collect(conn, run, start + timeout, interrupt_grace, output_grace)

@@ -343,6 +343,7 @@ class LocalConnection(KernelConnection):
         self._loop = asyncio.get_running_loop()
         for _, sock in self._drain:
             fd = sock.getsockopt(zmq.FD)
+            assert isinstance(fd, int)
             self._loop.add_reader(fd, self._on_readable)
             self._fds.append(fd)
         self._senders = {
@@ -471,7 +472,8 @@ class LocalConnection(KernelConnection):
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
-                    if sock.getsockopt(zmq.EVENTS) & zmq.POLLIN:
+                    events = sock.getsockopt(zmq.EVENTS)
+                    if isinstance(events, int) and events & zmq.POLLIN:
                         continue
                     break
                 msg = self._decode(channel, frames)
