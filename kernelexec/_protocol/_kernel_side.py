@@ -11,7 +11,9 @@ What it does inside the kernel:
   message), counts the output messages it sent, and reports the count with the reply
   (``OUTPUTS_PAYLOAD``), so the host can tell when the transport dropped some;
 * keeps no output history (IPython 9 would keep every printed byte for the kernel's lifetime);
-* runs tool calls whose arguments arrive as JSON in the request's metadata, never as code;
+* runs tool calls whose arguments arrive as JSON in the request's metadata, never as code,
+  served by its own shell handler (``CALL_REQUEST``, see :func:`_serve_call`) without
+  IPython's execute machinery, or from an execute request where that is switched off;
 * awaits ``async def`` tools on the kernel's own event loop, so that an interrupt stops them;
 * converts return values to JSON (see :func:`to_jsonable` for the rules) and hands them back
   through ``user_expressions`` in the execute reply, a channel the tool's own prints and displays
