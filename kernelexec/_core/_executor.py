@@ -104,6 +104,7 @@ class AsyncKernelExecutor:
         )
         self._bootstrap = bootstrap_request(self.config.max_output_chars)
         self._own_workdir = False
+        self.backend.hold()
 
     @property
     def env(self) -> Env:
@@ -462,6 +463,7 @@ class AsyncKernelExecutor:
             await asyncio.shield(self._supervisor.aclose())
         finally:
             await asyncio.shield(asyncio.gather(*(p.aclose() for p in pools)))
+            await asyncio.shield(self.backend.release())
             if self._own_workdir and isinstance(self._workdir, Path):
                 shutil.rmtree(self._workdir, ignore_errors=True)
 

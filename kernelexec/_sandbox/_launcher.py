@@ -10,6 +10,10 @@ SIGKILL when the launcher goes, so killing the launcher cannot leave the kernel 
 ends
 the kernel, the launcher kills the remaining descendants and exits with the kernel's status
 (re-raising the signal that killed it), so the host sees the kernel's own exit.
+
+A fork server (``backends._forkserver``) runs the same text in a forked child of its own, with
+``sys.argv`` set as here and a ``run_kernel`` function in the globals: the kernel process then
+calls it after :func:`setup` instead of executing ``argv``, so both launches get one ``setup``.
 """
 
 from __future__ import annotations
@@ -88,10 +92,13 @@ def setup():
         os._exit(1)
 
 launcher = os.getpid()
+run_kernel = globals().get("run_kernel")
 pid = os.fork()
 if pid == 0:
     try:
         setup()
+        if run_kernel is not None:
+            run_kernel()  # forked from a fork server: the kernel runs here; never returns
         os.execvp(argv[0], argv)
     except BaseException as exc:
         os.write(2, ("kernelexec launcher: " + repr(exc) + "\n").encode())

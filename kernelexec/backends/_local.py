@@ -8,6 +8,11 @@ Shutting the kernel down removes the directory.
 At ``isolation="process"`` and ``"bwrap"`` the kernel runs under kernelexec's launcher
 (``_sandbox._launcher``) in a cgroup of its own where the host allows, with its limits, as its
 own user on a root host (who then owns the directory), and under ``"bwrap"`` inside bubblewrap.
+
+At ``"none"`` and ``"process"`` kernels are forked from a fork server (``_forkserver``) of their
+interpreter when one can run, which saves the interpreter's start-up and imports; under
+``"bwrap"`` (a new process in new namespaces) and whenever the server cannot start, the kernel is
+launched the plain way, a fresh interpreter per kernel.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import IO, Any, Literal
 
 import psutil
@@ -39,6 +45,7 @@ from kernelexec._sandbox._bwrap import bwrap_argv
 from kernelexec._sandbox._launcher import launcher_argv
 from kernelexec._sandbox._plan import SandboxPlan, make_plan
 from kernelexec._tempdirs import make_owned_dir
+from kernelexec.backends import _forkserver
 from kernelexec.backends._base import (
     KernelBackend,
     KernelConnection,
@@ -46,6 +53,7 @@ from kernelexec.backends._base import (
     KernelLaunch,
     KernelMessage,
 )
+from kernelexec.backends._forkserver import ForkedProcess, ForkServer, ForkServerError
 
 # Flags that trim start-up: no history database (nothing written under ~/.ipython), and the
 # 0.5 ms sleep ipykernel inserts before every reply turned off.
@@ -104,6 +112,16 @@ class _FixedSpecs(KernelSpecManager):
         return self._spec
 
 
+NO_FORK_SERVER_ENV = "KERNELEXEC_NO_FORK_SERVER"
+"""Set to ``1`` to launch every kernel the plain way (as ``fork_server=False`` does)."""
+
+FORKED_LEVELS = ("none", "process")
+"""Isolation levels whose kernels come from a fork server (``"bwrap"`` starts a new process in
+new namespaces, which a fork of the server cannot be)."""
+
+_SERVER_RETRIES = 2
+"""Fork servers of one kind that may fail before kernels of that kind stay on plain launches."""
+
 _POLL = 0.05
 """Seconds of silence after which ``receive`` checks whether the kernel process still runs
 (a non-blocking ``waitpid``: no I/O)."""
@@ -136,10 +154,74 @@ class LocalBackend(KernelBackend):
     host_filesystem = True
     default_isolation = "process"
 
-    def __init__(self, python: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        python: str | None = None,
+        extra_args: tuple[str, ...] = (),
+        fork_server: bool = True,
+    ) -> None:
         self.python = python or sys.executable
         self.extra_args = tuple(extra_args)
+        if not isinstance(fork_server, bool):
+            raise ConfigError(f"fork_server must be True or False, not {fork_server!r}")
+        self.fork_server = (
+            fork_server
+            and _forkserver.supported()
+            and os.environ.get(NO_FORK_SERVER_ENV, "") in ("", "0")
+        )
         self._plans: dict[tuple[Any, ...], SandboxPlan] = {}
+        self._servers: dict[tuple[Any, ...], ForkServer] = {}
+        self._server_failures: dict[tuple[Any, ...], int] = {}
+        self._holders = 0
+
+    def hold(self) -> None:
+        self._holders += 1
+
+    async def release(self) -> None:
+        self._holders -= 1
+        if self._holders <= 0:
+            self._holders = 0
+            self.close_servers()
+
+    def close_servers(self) -> None:
+        """End every fork server of this backend (kernels forked from them end too)."""
+        servers = list(self._servers.values())
+        self._servers.clear()
+        for server in servers:
+            server.close()
+
+    def launch_kind(self, launch: KernelLaunch) -> str:
+        """How kernels of ``launch`` are started: ``"fork server"`` or ``"plain"``."""
+        if self.fork_server and launch.isolation in FORKED_LEVELS:
+            return "fork server"
+        return "plain"
+
+    def _server_for(self, python: str, env: dict[str, str], level: str) -> ForkServer | None:
+        """The running fork server for kernels of ``python`` with ``env`` at ``level``
+        (started here, on the event loop's thread), or None to launch the plain way."""
+        if not self.fork_server or level not in FORKED_LEVELS:
+            return None
+        user_site = level == "none"  # at "process" HOME is the kernel's own, empty directory
+        key = _forkserver.server_key(python, env, user_site)
+        server = self._servers.get(key)
+        if server is not None and server.alive():
+            return server
+        if server is not None:
+            del self._servers[key]
+            self._server_failures[key] = self._server_failures.get(key, 0) + 1
+            log.info("fork server for %s ended: %s", python, server.failed or "it exited")
+            server.close()
+        if self._server_failures.get(key, 0) >= _SERVER_RETRIES:
+            return None
+        server = ForkServer(python, env, user_site)
+        try:
+            server.start()
+        except OSError as exc:
+            self._server_failures[key] = _SERVER_RETRIES
+            log.warning("could not start a fork server for %s (%s): plain launches", python, exc)
+            return None
+        self._servers[key] = server
+        return server
 
     def describe(self) -> str:
         return f"local:{self.python}"
@@ -169,7 +251,13 @@ class LocalBackend(KernelBackend):
 
     def isolation(self, launch: KernelLaunch) -> dict[str, Any]:
         plan = self.plan(launch)
-        return {"level": plan.level, "limits": plan.limits_text, "boundaries": plan.boundaries}
+        launched = (
+            "forked from a fork server of the interpreter (a plain launch when none can start)"
+            if self.launch_kind(launch) == "fork server"
+            else "a new interpreter per kernel (plain launch)"
+        )
+        bounds = {**plan.boundaries, "launch": launched}
+        return {"level": plan.level, "limits": plan.limits_text, "boundaries": bounds}
 
     def fingerprint(self, launch: KernelLaunch, base: str) -> str:
         # A local kernel at the default level is exactly its environment (whose fingerprint
@@ -193,7 +281,14 @@ class LocalBackend(KernelBackend):
         if plan.use_cgroup and not _cgroups_swept:
             _cgroups_swept = True
             _cgroups.sweep_stale()  # groups that killed hosts left (their processes are gone)
-        conn = LocalConnection(python, self.extra_args, launch.env, plan, launch.workdir)
+        conn = LocalConnection(
+            python,
+            self.extra_args,
+            launch.env,
+            plan,
+            launch.workdir,
+            servers=self._server_for if self.launch_kind(launch) == "fork server" else None,
+        )
         try:
             await asyncio.wait_for(conn.launch(), timeout)
         except asyncio.TimeoutError:
@@ -216,8 +311,13 @@ class LocalConnection(KernelConnection):
         env: dict[str, str],
         plan: SandboxPlan | None = None,
         workdir: str | None = None,
+        servers: Callable[[str, dict[str, str], str], ForkServer | None] | None = None,
     ) -> None:
         self._python = python
+        self._servers = servers
+        self._forked: ForkedProcess | None = None
+        self.launched_by = ""
+        """How the current kernel was started: ``"fork server"`` or ``"plain"``."""
         self._extra_args = extra_args
         self._env = dict(env)
         self._plan = plan if plan is not None and plan.level != "none" else None
@@ -260,16 +360,11 @@ class LocalConnection(KernelConnection):
                     raise KernelStartError(f"could not set up the kernel's cgroup: {exc}") from exc
         env["IPYTHONDIR"] = os.path.join(kdir, "ipython")
         env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
-        argv = [
-            self._python,
-            "-c",
-            _LEAN_LAUNCHER,
-            "-f",
-            "{connection_file}",
-            *_KERNEL_FLAGS,
-            *self._extra_args,
-        ]
+        kernel_args = ["-f", "{connection_file}", *_KERNEL_FLAGS, *self._extra_args]
         bwrap = plan is not None and plan.level == "bwrap"
+        if not bwrap and await self._fork(env, kernel_args, kdir):
+            return await self._connect()
+        argv = [self._python, "-c", _LEAN_LAUNCHER, *kernel_args]
         if plan is not None:
             if bwrap:
                 writable = [kdir, *([self._workdir] if self._workdir else [])]
@@ -300,14 +395,7 @@ class LocalConnection(KernelConnection):
             metadata={},
             env={},
         )
-        km = _Manager(
-            kernel_spec_manager=_FixedSpecs(spec),
-            kernel_name="kernelexec",
-            transport="ipc",
-            ip=os.path.join(kdir, "s"),
-            connection_file=os.path.join(kdir, "kernel.json"),
-        )
-        km.kernel_uid = self._uid
+        km = self._manager(kdir, spec)
         self._km = km
         # Kernel stdout gets fd-level output that ipykernel also forwards as messages; it must
         # never be a pipe nobody drains. stderr is kept (bounded by the kernel's lifetime) so a
@@ -317,6 +405,76 @@ class LocalConnection(KernelConnection):
             await km.start_kernel(env=env, cwd=kdir, stdout=subprocess.DEVNULL, stderr=self._stderr)
         except Exception as exc:
             raise KernelStartError(f"could not launch {self._python}: {exc}") from exc
+        self.launched_by = "plain"
+        await self._connect()
+
+    def _manager(self, kdir: str, spec: KernelSpec | None = None) -> _Manager:
+        extra: dict[str, Any] = {"kernel_spec_manager": _FixedSpecs(spec)} if spec else {}
+        km = _Manager(
+            **extra,
+            kernel_name="kernelexec",
+            transport="ipc",
+            ip=os.path.join(kdir, "s"),
+            connection_file=os.path.join(kdir, "kernel.json"),
+        )
+        km.kernel_uid = self._uid
+        return km
+
+    async def _fork(self, env: dict[str, str], kernel_args: list[str], kdir: str) -> bool:
+        """Start the kernel from a fork server; False when there is none to use (then the
+        caller launches it the plain way)."""
+        server = (
+            self._servers(self._python, env, self._plan.level if self._plan else "none")
+            if (self._servers is not None)
+            else None
+        )
+        if server is None:
+            return False
+        km = self._manager(kdir)
+        km.write_connection_file()
+        host = os.getpid()
+        args = [a.replace("{connection_file}", km.connection_file) for a in kernel_args]
+        args.append(f"--IPKernelApp.parent_handle={host}")
+        env = {**env, "JPY_PARENT_PID": str(host)}
+        plan = self._plan
+        launcher = None
+        if plan is not None:
+            launcher = {
+                "procs": self._cgroup.procs_files if self._cgroup else [],
+                "rlimits": plan.rlimits,
+                "uid": self._uid,
+                "host": server.pid,
+            }
+        self._stderr = stderr = tempfile.TemporaryFile()  # noqa: SIM115
+        loop = asyncio.get_running_loop()
+        errfd = os.dup(stderr.fileno())  # the thread's own: shutdown may close the file
+
+        def fork() -> int:
+            try:
+                return server.fork(argv=args, env=env, cwd=kdir, stderr=errfd, launcher=launcher)
+            finally:
+                os.close(errfd)
+
+        call = loop.run_in_executor(None, fork)
+        try:
+            pid = await asyncio.shield(call)
+        except ForkServerError as exc:
+            log.warning("fork server unusable, launching the plain way: %s", exc)
+            stderr.close()
+            self._stderr = None
+            km.cleanup_connection_file()
+            return False
+        except asyncio.CancelledError:
+            call.add_done_callback(lambda done: _discard_late_fork(done, server))
+            raise
+        self._km = km
+        self._forked = ForkedProcess(pid, server)
+        self.launched_by = "fork server"
+        return True
+
+    async def _connect(self) -> None:
+        km = self._km
+        assert km is not None
         kc = km.client(context=_context())
         kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=True)
         self._kc = kc
@@ -360,12 +518,28 @@ class LocalConnection(KernelConnection):
         info["kernel_name"] = ""
         return info
 
-    def kernel_pid(self) -> int | None:
+    def _process(self) -> Any:
+        """The process the host started for the kernel (a ``Popen``, or the
+        :class:`ForkedProcess` a fork server made): the launcher under isolation, else the
+        kernel; None once shut down."""
+        if self._forked is not None:
+            return self._forked
         km = self._km
-        proc = getattr(km.provisioner, "process", None) if km is not None else None
+        return getattr(km.provisioner, "process", None) if km is not None else None
+
+    def kernel_pid(self) -> int | None:
+        proc = self._process()
         pid = getattr(proc, "pid", None)
         if pid is None or self._plan is None:
             return pid
+        if self._forked is not None:
+            # The launcher's first child is the kernel: orphans it adopts come after it.
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children") as fh:
+                    kids = fh.read().split()
+            except OSError:
+                return None
+            return int(kids[0]) if kids else None
         # Under the launcher (and bubblewrap) the kernel is the deepest process running the
         # lean launcher's code.
         try:
@@ -427,8 +601,7 @@ class LocalConnection(KernelConnection):
                     self._pending.append(msg)
 
     def _check_process(self) -> KernelDied | None:
-        km = self._km
-        proc = getattr(km.provisioner, "process", None) if km is not None else None
+        proc = self._process()
         if proc is None:
             self._died = KernelDied("the kernel is shut down")
             return self._died
@@ -485,7 +658,11 @@ class LocalConnection(KernelConnection):
 
     async def interrupt(self) -> None:
         km = self._km
-        if km is not None and km.has_kernel:
+        if self._forked is not None:
+            # Signal mode, as jupyter-client does it: SIGINT to the kernel's process group
+            # (a launcher ignores it).
+            self._forked.send_signal(signal.SIGINT)
+        elif km is not None and km.has_kernel:
             with contextlib.suppress(Exception):
                 await km.interrupt_kernel()
 
@@ -504,6 +681,9 @@ class LocalConnection(KernelConnection):
         self._drain = []
         self._pending.clear()
         self._died = KernelDied("the kernel is shut down")
+        forked, self._forked = self._forked, None
+        if forked is not None:
+            await _stop_forked(forked, launcher=self._plan is not None)
         if km is not None:
             await self._stop_launcher(km)
             if self._cgroup is not None:
@@ -540,6 +720,28 @@ class LocalConnection(KernelConnection):
         except subprocess.TimeoutExpired:
             with contextlib.suppress(OSError):
                 proc.kill()
+
+
+async def _stop_forked(proc: ForkedProcess, *, launcher: bool) -> None:
+    """End a forked kernel as a plain one is ended: its launcher asked to kill it and every
+    descendant (SIGTERM), or the kernel's process group killed; then reap it."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM if launcher else signal.SIGKILL)
+        if not await proc.wait_async(5.0):
+            proc.kill()
+            await proc.wait_async(5.0)
+    proc.close()
+
+
+def _discard_late_fork(done: asyncio.Future[int], server: ForkServer) -> None:
+    """A fork whose caller gave up: kill and reap the kernel it made, if it made one."""
+    if done.cancelled() or done.exception() is not None:
+        return
+    proc = ForkedProcess(done.result(), server)
+    proc.kill()
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        proc.wait(5)
+    proc.close()
 
 
 async def _kill_process_group(km: AsyncKernelManager) -> None:
