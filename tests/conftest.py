@@ -36,14 +36,17 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def kernel_children() -> set[int]:
     """Pids of the kernels this test process started: ipykernel processes whose parent is this
     process, or kernelexec's launcher (isolation "process"/"bwrap") whose child the kernel is;
-    a launcher without its kernel counts itself."""
+    a launcher without its kernel counts itself; a fork server counts itself and every process
+    under it (its launchers and kernels)."""
     found = set()
     for child in psutil.Process().children():
         try:
             cmdline = child.cmdline()
             if "ipykernel" not in " ".join(cmdline):
                 continue
-            if any(arg.startswith("# kernelexec launcher") for arg in cmdline):
+            if any(arg.startswith("# kernelexec fork server") for arg in cmdline):
+                found |= {child.pid} | {k.pid for k in child.children(recursive=True)}
+            elif any(arg.startswith("# kernelexec launcher") for arg in cmdline):
                 kernels = {k.pid for k in child.children()}
                 found |= kernels or {child.pid}
             else:

@@ -58,6 +58,16 @@ sys.modules.setdefault('debugpy', None)
 from ipykernel import kernelapp
 import ipykernel.ipkernel, ipykernel.zmqshell, ipykernel.iostream, ipykernel.heartbeat
 import ipykernel.comm, ipykernel.eventloops, IPython.core.completer
+# What a kernel imports while it starts (IPython's debugger, storemagic, tornado's queues...)
+# and the standard modules kernelexec's kernel side uses: imported once here, not per kernel.
+import IPython.core.completerlib, IPython.core.debugger, IPython.core.oinspect
+import IPython.extensions.storemagic, IPython.utils.wildcard, faulthandler, pdb, unicodedata
+import tornado.gen, tornado.locks, tornado.platform.asyncio, tornado.queues
+import base64, dataclasses, decimal, enum, linecache, pathlib, select, uuid
+try:
+    import ipykernel.debugger
+except ImportError:
+    pass
 
 def run_kernel(req):
     import atexit, tempfile, time, traceback
