@@ -31,6 +31,7 @@ from typing import Any
 import anyio
 import httpx2
 import nbformat
+import psutil
 import pytest
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -39,6 +40,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
 from kernelexec._cli._main import main
+from tests.conftest import FORK_SERVER
 from tests.procs import children
 
 pytestmark = pytest.mark.anyio
@@ -94,8 +96,15 @@ def expected_png() -> bytes:
 
 
 def kernels_of(pid: int) -> set[int]:
-    """Pids of kernel processes whose parent is ``pid``."""
-    return children(pid, b"ipykernel")
+    """Pids of kernel processes (or their launchers) whose parent is ``pid``, or a fork server
+    of ``pid`` (forked kernels carry the server's command line)."""
+    found = set()
+    for child in children(pid, b"ipykernel"):
+        if child in children(pid, FORK_SERVER.encode()):
+            found |= {k.pid for k in psutil.Process(child).children()}
+        else:
+            found.add(child)
+    return found
 
 
 def wait_exited(pids: set[int], timeout: float = 15.0) -> set[int]:

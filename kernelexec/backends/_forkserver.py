@@ -205,6 +205,8 @@ class ForkServer:
         self._stderr: IO[bytes] | None = None
         self._lock = threading.Lock()
         self._greeted = False
+        self.live = 0
+        """Kernels forked and not yet reaped."""
         self.failed = ""
         """Why the server is unusable (it could not start, or died), or ``""``."""
 
@@ -318,11 +320,13 @@ class ForkServer:
         reply = self._request(req, (stderr,))
         if "pid" not in reply:
             raise ForkServerError(f"the fork server could not fork: {reply.get('error')}")
+        self.live += 1
         return int(reply["pid"])
 
     def status(self, pid: int) -> int | None:
         """Reap the server's child ``pid`` and return its exit status (Popen's convention:
         ``-N`` for signal N), waiting until it has ended; None when unknown."""
+        self.live -= 1
         try:
             value = self._request({"op": "status", "pid": pid}).get("status")
         except ForkServerError:
@@ -375,7 +379,7 @@ class ForkedProcess:
 
     def __init__(self, pid: int, server: ForkServer) -> None:
         self.pid = pid
-        self._server = server
+        self.server = server
         self.returncode: int | None = None
         self._done = False
         self._pidfd: int | None = os.pidfd_open(pid)
@@ -397,7 +401,7 @@ class ForkedProcess:
         return self.returncode
 
     def _reap(self) -> None:
-        self.returncode = self._server.status(self.pid)
+        self.returncode = self.server.status(self.pid)
         self._done = True
         if self._pidfd is not None:
             os.close(self._pidfd)
@@ -448,8 +452,10 @@ class ForkedProcess:
         self.send_signal(signal.SIGKILL)
 
     def close(self) -> None:
-        """Forget the process without waiting (its server reaps it when it goes)."""
+        """Forget the process (reaped, or left to its server, which reaps it when it goes)."""
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
+        if not self._done:
+            self.server.live -= 1
         self._done = True

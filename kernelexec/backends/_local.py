@@ -30,7 +30,6 @@ import sys
 import tempfile
 import time
 from collections import deque
-from collections.abc import Callable
 from typing import IO, Any, Literal
 
 import psutil
@@ -183,6 +182,18 @@ class LocalBackend(KernelBackend):
             self._holders = 0
             self.close_servers()
 
+    def kernel_ended(self, server: ForkServer) -> None:
+        """A kernel forked by ``server`` has ended, or a fork failed: a server that failed is
+        dropped, and so is one of a backend no executor holds (used directly, or wrapped by
+        another backend) once its last kernel has ended."""
+        if server.failed or (self._holders == 0 and server.live == 0):
+            for key, known in list(self._servers.items()):
+                if known is server:
+                    del self._servers[key]
+                    if server.failed:
+                        self._server_failures[key] = self._server_failures.get(key, 0) + 1
+            server.close()
+
     def close_servers(self) -> None:
         """End every fork server of this backend (kernels forked from them end too)."""
         servers = list(self._servers.values())
@@ -196,7 +207,7 @@ class LocalBackend(KernelBackend):
             return "fork server"
         return "plain"
 
-    def _server_for(self, python: str, env: dict[str, str], level: str) -> ForkServer | None:
+    def server_for(self, python: str, env: dict[str, str], level: str) -> ForkServer | None:
         """The running fork server for kernels of ``python`` with ``env`` at ``level``
         (started here, on the event loop's thread), or None to launch the plain way."""
         if not self.fork_server or level not in FORKED_LEVELS:
@@ -287,7 +298,7 @@ class LocalBackend(KernelBackend):
             launch.env,
             plan,
             launch.workdir,
-            servers=self._server_for if self.launch_kind(launch) == "fork server" else None,
+            backend=self if self.launch_kind(launch) == "fork server" else None,
         )
         try:
             await asyncio.wait_for(conn.launch(), timeout)
@@ -311,10 +322,10 @@ class LocalConnection(KernelConnection):
         env: dict[str, str],
         plan: SandboxPlan | None = None,
         workdir: str | None = None,
-        servers: Callable[[str, dict[str, str], str], ForkServer | None] | None = None,
+        backend: LocalBackend | None = None,
     ) -> None:
         self._python = python
-        self._servers = servers
+        self._servers = backend  # the backend, which holds the fork servers
         self._forked: ForkedProcess | None = None
         self.launched_by = ""
         """How the current kernel was started: ``"fork server"`` or ``"plain"``."""
@@ -423,11 +434,10 @@ class LocalConnection(KernelConnection):
     async def _fork(self, env: dict[str, str], kernel_args: list[str], kdir: str) -> bool:
         """Start the kernel from a fork server; False when there is none to use (then the
         caller launches it the plain way)."""
-        server = (
-            self._servers(self._python, env, self._plan.level if self._plan else "none")
-            if (self._servers is not None)
-            else None
-        )
+        backend = self._servers
+        if backend is None:
+            return False
+        server = backend.server_for(self._python, env, self._plan.level if self._plan else "none")
         if server is None:
             return False
         km = self._manager(kdir)
@@ -460,6 +470,7 @@ class LocalConnection(KernelConnection):
             pid = await asyncio.shield(call)
         except ForkServerError as exc:
             log.warning("fork server unusable, launching the plain way: %s", exc)
+            backend.kernel_ended(server)
             stderr.close()
             self._stderr = None
             km.cleanup_connection_file()
@@ -684,6 +695,8 @@ class LocalConnection(KernelConnection):
         forked, self._forked = self._forked, None
         if forked is not None:
             await _stop_forked(forked, launcher=self._plan is not None)
+            if self._servers is not None:
+                self._servers.kernel_ended(forked.server)
         if km is not None:
             await self._stop_launcher(km)
             if self._cgroup is not None:
