@@ -206,7 +206,8 @@ class ForkServer:
         self._lock = threading.Lock()
         self._greeted = False
         self.live = 0
-        """Kernels forked and not yet reaped."""
+        """Kernels forked and not yet reaped (counted by :class:`ForkedProcess`, on the event
+        loop's thread)."""
         self.failed = ""
         """Why the server is unusable (it could not start, or died), or ``""``."""
 
@@ -320,13 +321,11 @@ class ForkServer:
         reply = self._request(req, (stderr,))
         if "pid" not in reply:
             raise ForkServerError(f"the fork server could not fork: {reply.get('error')}")
-        self.live += 1
         return int(reply["pid"])
 
     def status(self, pid: int) -> int | None:
         """Reap the server's child ``pid`` and return its exit status (Popen's convention:
         ``-N`` for signal N), waiting until it has ended; None when unknown."""
-        self.live -= 1
         try:
             value = self._request({"op": "status", "pid": pid}).get("status")
         except ForkServerError:
@@ -383,6 +382,7 @@ class ForkedProcess:
         self.returncode: int | None = None
         self._done = False
         self._pidfd: int | None = os.pidfd_open(pid)
+        server.live += 1
 
     def _ended(self, timeout: float) -> bool:
         fd = self._pidfd
@@ -402,6 +402,7 @@ class ForkedProcess:
 
     def _reap(self) -> None:
         self.returncode = self.server.status(self.pid)
+        self.server.live -= 1
         self._done = True
         if self._pidfd is not None:
             os.close(self._pidfd)
