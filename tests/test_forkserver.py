@@ -4,6 +4,7 @@ server off."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import resource
 from pathlib import Path
@@ -75,6 +76,21 @@ def test_new_sessions_get_kernels_forked_from_one_server(
             uid = psutil.Process(kernel_pid(first)).uids().real
             assert uid >= _users.UID_BASE and uid != psutil.Process(server).uids().real
     assert wait_exited(server)  # the server ends with the executor
+
+
+@pytest.mark.anyio
+async def test_kernels_started_at_once_on_a_new_server(add_tool: kx.Tool) -> None:
+    """The first starts race the server's own start: each gets its own kernel, all forked."""
+    async with kx.AsyncKernelExecutor(max_kernels=4) as ex:
+        sessions = [await ex.session(f"at-once-{i}") for i in range(4)]
+        results = await asyncio.gather(
+            *(s.call_tool(add_tool, {"a": i}) for i, s in enumerate(sessions))
+        )
+        assert [r.func_return for r in results] == [2, 3, 4, 5]
+        pids = [int((await s.run_code("import os; os.getpid()")).result or 0) for s in sessions]
+        assert len(set(pids)) == 4
+        assert {forked_from(pid, "process") for pid in pids} == servers()
+        assert len(servers()) == 1
 
 
 def test_timeouts_deaths_and_restarts_of_forked_kernels() -> None:

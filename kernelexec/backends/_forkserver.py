@@ -35,6 +35,7 @@ import socket
 import subprocess
 import tempfile
 import threading
+import time
 from typing import IO, Any
 
 from kernelexec._sandbox import _launcher
@@ -181,7 +182,11 @@ def server_key(python: str, env: dict[str, str], user_site: bool) -> tuple[Any, 
 
 HELLO_TIMEOUT = 0.5
 """Seconds a new server has to say hello (before its imports: an interpreter start, about
-20 ms here); one that does not is given up and the kernel launched the plain way."""
+20 ms here) unless it is visibly the interpreter; one that does not is given up and the kernel
+launched the plain way."""
+
+HELLO_PATIENCE = 30.0
+"""Seconds the interpreter itself has to say hello (a machine under heavy load)."""
 
 
 def supported() -> bool:
@@ -258,6 +263,8 @@ class ForkServer:
             chan = self._chan
             if chan is None:
                 raise ForkServerError("the fork server is closed")
+            if not self._greeted:
+                self._greet(chan)
             try:
                 if fds:
                     socket.send_fds(chan, [json.dumps(req).encode()], list(fds))
@@ -273,17 +280,27 @@ class ForkServer:
             reply: dict[str, Any] = json.loads(data)
             return reply
 
-    def _greet(self) -> None:
-        """Wait for the server's first words (sent before its imports), so that an
-        interpreter that is no fork server is given up on quickly."""
-        chan = self._chan
-        if chan is None:
-            raise ForkServerError("the fork server is closed")
-        chan.settimeout(HELLO_TIMEOUT)
+    def _greet(self, chan: socket.socket) -> None:
+        """Wait for the server's first words (sent before its imports; the caller holds the
+        lock). Past :data:`HELLO_TIMEOUT`, waiting goes on only while the process is the
+        interpreter itself (a loaded machine), so that anything else (a wrapper that runs
+        something else, a fake interpreter) is given up on quickly."""
+        started = time.monotonic()
+        data = b""
         try:
-            data = chan.recv(1 << 16)
+            while True:
+                chan.settimeout(0.1)
+                try:
+                    data = chan.recv(1 << 16)
+                    break
+                except TimeoutError:
+                    waited = time.monotonic() - started
+                    if waited > HELLO_PATIENCE or (
+                        waited > HELLO_TIMEOUT and not self._is_interpreter()
+                    ):
+                        self.failed = f"the fork server did not answer in {waited:.1f} s"
+                        break
         except OSError as exc:
-            data = b""
             self.failed = f"the fork server did not answer ({exc})"
         finally:
             with contextlib.suppress(OSError):
@@ -292,10 +309,18 @@ class ForkServer:
             hello = json.loads(data) if data else {}
         except ValueError:
             hello = {}
-        if hello.get("hello") != self.pid:
+        if not isinstance(hello, dict) or hello.get("hello") != self.pid:
             self.failed = self.failed or f"the fork server did not start{self.diagnostics()}"
             raise ForkServerError(self.failed)
         self._greeted = True
+
+    def _is_interpreter(self) -> bool:
+        """Whether the server process runs the interpreter's own executable."""
+        try:
+            running = os.path.realpath(f"/proc/{self.pid}/exe")
+        except OSError:
+            return False
+        return running == os.path.realpath(self.python) and self.alive()
 
     def fork(
         self,
@@ -315,8 +340,6 @@ class ForkServer:
         """
         if self._proc is None:
             raise ForkServerError("the fork server is not started")
-        if not self._greeted:
-            self._greet()
         req = {"op": "fork", "argv": argv, "env": env, "cwd": cwd, "launcher": launcher}
         reply = self._request(req, (stderr,))
         if "pid" not in reply:
