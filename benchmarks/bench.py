@@ -141,6 +141,15 @@ def pss_kib(pid: int) -> int:
         return 0
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) ``pid`` has used, from /proc (0 if it is gone)."""
+    try:
+        times = psutil.Process(pid).cpu_times()
+    except psutil.Error:
+        return 0.0
+    return float(times.user + times.system)
+
+
 def log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -164,6 +173,8 @@ async def bench_warm(results: dict[str, Any], n: int, n_base: int, workdir: str)
             await stock.run_code("0")  # start its kernel while the variable is set
         finally:
             del os.environ["KERNELEXEC_NO_FAST_PATHS"]
+        exec_ex = await stack.enter_async_context(kx.AsyncKernelExecutor(fast_calls=False))
+        exec_path = await exec_ex.session("execute-path")
         rec_ex = await stack.enter_async_context(
             kx.AsyncKernelExecutor(record_dir=os.path.join(workdir, "recordings"))
         )
@@ -187,6 +198,7 @@ async def bench_warm(results: dict[str, Any], n: int, n_base: int, workdir: str)
             ),
             "call_tool_warm": (lambda: fast.call_tool(tool, args), n),
             "call_tool_warm_no_fast_paths": (lambda: stock.call_tool(tool, args), n),
+            "call_tool_warm_execute_path": (lambda: exec_path.call_tool(tool, args), n),
             "call_tool_warm_sync": (sync_call, n // 2),
             "call_tool_warm_recorded": (lambda: recorded.call_tool(tool, args), n),
             "run_code_warm": (lambda: fast.run_code("add(1, 2)"), n // 2),
@@ -446,11 +458,16 @@ async def bench_throughput(results: dict[str, Any], levels: list[int], window: f
                     count += 1
                     errors += not r.ok
 
+            pids = [int((await s.run_code("import os; os.getpid()")).result or 0) for s in sessions]
+            host_cpu, kernel_cpu = cpu_s(os.getpid()), sum(cpu_s(p) for p in pids)
             t0 = time.perf_counter()
             await asyncio.gather(*(worker(s) for s in sessions))
             elapsed = time.perf_counter() - t0
-            pids = [int((await s.run_code("import os; os.getpid()")).result or 0) for s in sessions]
+            host_cpu = cpu_s(os.getpid()) - host_cpu
+            kernel_cpu = sum(cpu_s(p) for p in pids) - kernel_cpu
             row = {
+                "host_cpu_ms_per_call": host_cpu / max(count, 1) * 1000,
+                "kernel_cpu_ms_per_call": kernel_cpu / max(count, 1) * 1000,
                 "sessions": n,
                 "calls_per_s": count / elapsed,
                 "errors": errors,
@@ -546,7 +563,8 @@ def table(results: dict[str, Any]) -> str:
         ("floor_jupyter_client", "floor: bare jupyter-client execute, iopub to idle"),
         ("floor_shell_only", "floor: raw shell-only execute, user_expressions, no iopub"),
         ("nbclient_peer", "peer: nbclient execute_cell, warm"),
-        ("call_tool_warm", "kernelexec call_tool, warm"),
+        ("call_tool_warm", "kernelexec call_tool, warm (served by the kernel side)"),
+        ("call_tool_warm_execute_path", "kernelexec call_tool, warm, execute path (switch)"),
         ("call_tool_warm_gateway", "kernelexec call_tool, warm, Kernel Gateway on 127.0.0.1"),
         ("call_tool_warm_sync", "kernelexec call_tool, warm, blocking KernelExecutor"),
         ("call_tool_warm_no_fast_paths", "kernelexec call_tool, warm, kernel fast paths off"),
@@ -584,6 +602,14 @@ def table(results: dict[str, Any]) -> str:
             f"{results['nbclient_peer']['median_ms'] / warm:.2f}x; fast paths off / on: "
             f"{results['call_tool_warm_no_fast_paths']['median_ms'] / warm:.2f}x"
         )
+    if "call_tool_warm_execute_path" in results:
+        warm_row = results["call_tool_warm"]
+        lines.append(
+            f"served call / execute path: "
+            f"{results['call_tool_warm_execute_path']['median_ms'] / warm:.2f}x faster; "
+            f"served call vs baseline {base / warm:.1f}x (target >= 14x); "
+            f"p99 / p50 {warm_row['p99_ms'] / warm:.2f} (target <= 3)"
+        )
     if "call_tool_warm_gateway" in results:
         lines.append(
             f"gateway call_tool / local call_tool: "
@@ -597,15 +623,23 @@ def table(results: dict[str, Any]) -> str:
     if "throughput" in results:
         lines += [
             "",
-            "| sessions | calls/s | p50 ms | p99 ms | errors | kernel RSS MiB/session "
-            "| kernel PSS MiB/session | host RSS MiB |",
-            "|---|---|---|---|---|---|---|---|",
+            "| sessions | calls/s | p50 ms | p99 ms | errors | host CPU ms/call "
+            "| kernel CPU ms/call | kernel RSS MiB/session | kernel PSS MiB/session "
+            "| host RSS MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in results["throughput"]:
             lines.append(
                 f"| {row['sessions']} | {row['calls_per_s']:.0f} | {row['median_ms']:.2f} | "
-                f"{row['p99_ms']:.2f} | {row['errors']} | {row['kernel_rss_mib_per_session']:.1f} "
+                f"{row['p99_ms']:.2f} | {row['errors']} | {row['host_cpu_ms_per_call']:.3f} | "
+                f"{row['kernel_cpu_ms_per_call']:.3f} | {row['kernel_rss_mib_per_session']:.1f} "
                 f"| {row['kernel_pss_mib_per_session']:.1f} | {row['host_rss_mib']:.0f} |"
+            )
+        eight = [r for r in results["throughput"] if r["sessions"] == 8]
+        if eight:
+            lines.append(
+                f"8 sessions: {eight[0]['calls_per_s']:.0f} calls/s with {eight[0]['errors']} "
+                "errors (target >= 1000, 0 errors)"
             )
     if "stateful" in results:
         st = results["stateful"]

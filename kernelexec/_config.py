@@ -75,6 +75,10 @@ class ExecutorConfig(BaseModel):
             private per-user directory) so that ``kernelexec attach`` can open a console on it.
             A security choice, off by default: whoever can read that file (this user) can run
             code in the agent's kernel.
+        fast_calls: Send tool calls as kernelexec's own shell message, served by its helper in
+            the kernel without IPython's execute machinery (about twice as fast); False, or
+            ``KERNELEXEC_FAST_CALLS=0`` in the environment, sends them as execute requests.
+            Kernels that cannot serve them (another ipykernel) get execute requests anyway.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -100,6 +104,7 @@ class ExecutorConfig(BaseModel):
     limits: Limits | None = None
     network: bool | None = None
     attachable: bool = False
+    fast_calls: bool = True
 
     @field_validator(
         "default_timeout",

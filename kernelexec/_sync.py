@@ -8,6 +8,8 @@ already running in the calling thread (inside Jupyter).
 
 from __future__ import annotations
 
+import asyncio
+import threading
 import weakref
 from collections.abc import Callable, Coroutine
 from contextlib import AbstractContextManager
@@ -37,15 +39,35 @@ class _Portal:
         self._cm: AbstractContextManager[BlockingPortal] = start_blocking_portal("asyncio")
         self.portal = self._cm.__enter__()
         self._state = Lifecycle("the executor", opened=True)
+        self._loop, self._thread = self.portal.call(_loop_and_thread)
 
     def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on the loop thread and wait for its result.
+
+        Straight onto the loop (``run_coroutine_threadsafe``): the portal's own ``call`` spawns
+        a task in its task group and takes twice as long (57 vs 24 us per call here). When the
+        caller stops waiting (Ctrl-C), the call is cancelled, which interrupts its kernel.
+        """
         self._state.check()
-        result: T = self.portal.call(lambda: fn(*args, **kwargs))
-        return result
+        if threading.get_ident() == self._thread:
+            raise RuntimeError(
+                "a blocking kernelexec method was called from the executor's own event-loop "
+                "thread (e.g. inside an on_stdout callback); use the async API there"
+            )
+        future = asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), self._loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
 
     def stop(self) -> None:
         if self._state.close():
             self._cm.__exit__(None, None, None)
+
+
+async def _loop_and_thread() -> tuple[asyncio.AbstractEventLoop, int]:
+    return asyncio.get_running_loop(), threading.get_ident()
 
 
 def _shutdown(portal: _Portal, executor: AsyncKernelExecutor) -> None:

@@ -436,3 +436,20 @@ def test_lean_launcher_leaves_a_normal_kernel(executor: kx.KernelExecutor) -> No
         "import debugpy, helper_mod\n(type(debugpy.__version__).__name__, helper_mod.VALUE + 1)"
     )
     assert result.result == "('str', 42)", result.error
+
+
+def test_a_blocking_call_from_the_executors_own_loop_thread_is_refused() -> None:
+    with kx.KernelExecutor(isolation="none") as ex:
+        session = ex.session("reentrant")
+        errors: list[BaseException] = []
+
+        def reenter(text: str) -> None:
+            try:
+                session.run_code("1")
+            except RuntimeError as exc:
+                errors.append(exc)
+
+        result = session.run_code("print('hi')", on_stdout=reenter)
+        assert result.ok and result.stdout == "hi\n"
+        assert session.run_code("2").result == "2"  # the session is fine afterwards
+    assert len(errors) == 1 and "own event-loop thread" in str(errors[0])

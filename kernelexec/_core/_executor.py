@@ -102,7 +102,9 @@ class AsyncKernelExecutor:
         self._budget = KernelBudget(
             self.config.max_kernels, self.config.idle_timeout, self._supervisor
         )
-        self._bootstrap = bootstrap_request(self.config.max_output_chars)
+        self._bootstrap = bootstrap_request(
+            self.config.max_output_chars, fast_calls=self.config.fast_calls
+        )
         self._own_workdir = False
         self.backend.hold()
 

@@ -1,12 +1,14 @@
-"""The run loop: one execute request, from sending it to a complete, bounded result.
+"""The run loop: one request, from sending it to a complete, bounded result.
 
 Written once above the backend interface. A run is complete when both its ``execute_reply`` and
 the iopub ``status: idle`` for its msg_id have arrived, in either order (a big print arrives after
-the reply). While waiting it watches the messages, the kernel's death (which the backend reports
-from ``receive``) and the deadline. Past the deadline the kernel is interrupted; if it does not
-finish within the grace period the caller must replace it. A run whose caller cancels it is
-interrupted the same way, and the loop keeps collecting for the grace period before it lets the
-cancellation go on, so the caller can tell whether the kernel stopped (``stuck`` if not).
+the reply); a tool call the kernel side serves itself sends no busy/idle, and is complete when its
+reply and as many output messages as the reply counts have arrived. While waiting it watches the
+messages, the kernel's death (which the backend reports from ``receive``) and the deadline. Past
+the deadline the kernel is interrupted; if it does not finish within the grace period the caller
+must replace it. A run whose caller cancels it is interrupted the same way, and the loop keeps
+collecting for the grace period before it lets the cancellation go on, so the caller can tell
+whether the kernel stopped (``stuck`` if not).
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from kernelexec._core._outputs import Callbacks, Collected, OutputCollector
-from kernelexec._protocol._host import ExecuteRequest
+from kernelexec._protocol._host import ExecuteRequest, output_count
 from kernelexec.backends._base import KernelConnection, KernelDied, KernelMessage
 
 T = TypeVar("T")
@@ -78,32 +80,56 @@ async def run_request(
     out = out if out is not None else RunOutcome()
     collector = OutputCollector(out.collected, max_output_chars, callbacks or Callbacks())
     start = time.monotonic()
-    msg_id = await conn.send(
-        "shell", "execute_request", request.content(), metadata=request.metadata
-    )
+    content = request.content()
+    msg_id = await conn.send("shell", request.msg_type, content, metadata=request.metadata)
+    run = _Run(msg_id, request.reply_type, request.quiet, out, collector)
     try:
-        await _collect(conn, msg_id, out, collector, start + timeout, interrupt_grace, output_grace)
+        await _collect(conn, run, start + timeout, interrupt_grace, output_grace)
     except asyncio.CancelledError:
         # The caller gave up (its own timeout, a disconnect): stop the code so the session's
         # next call does not queue behind it in the kernel.
         out.cancelled = True
-        await finish_shielded(_wind_down(conn, msg_id, out, collector, interrupt_grace))
+        await finish_shielded(_wind_down(conn, run, interrupt_grace))
         raise
     if out.reply is not None and out.collected.execution_count is None:
         out.collected.execution_count = out.reply.get("execution_count")
     return out
 
 
+@dataclass(slots=True)
+class _Run:
+    """One request being collected: what ends it and where its messages go."""
+
+    msg_id: str
+    reply_type: str
+    quiet: bool  # no busy/idle: complete once the outputs the reply counts have arrived
+    out: RunOutcome
+    collector: OutputCollector
+    expected: int | None = None  # output messages the kernel says it sent (quiet runs)
+
+    def complete(self) -> bool:
+        out = self.out
+        if out.reply is None:
+            return False
+        if out.idle:
+            return True
+        if not self.quiet:
+            return False
+        if self.expected is None:
+            count = output_count(out.reply)
+            self.expected = count.sent if count is not None else 0
+        return out.collected.received >= self.expected
+
+
 async def _collect(
     conn: KernelConnection,
-    msg_id: str,
-    out: RunOutcome,
-    collector: OutputCollector,
+    run: _Run,
     deadline: float,
     interrupt_grace: float,
     output_grace: float,
 ) -> None:
-    while out.reply is None or not out.idle:
+    out = run.out
+    while not run.complete():
         now = time.monotonic()
         if now >= deadline:
             if out.reply is not None:
@@ -118,54 +144,48 @@ async def _collect(
         msg = await conn.receive(deadline - now)
         if msg is None:
             continue
-        if await _take(msg, msg_id, out, collector) and not out.timed_out:
+        if await _take(msg, run) and not out.timed_out:
             deadline = min(deadline, time.monotonic() + output_grace)
         if out.death is not None:
             break
 
 
-async def _take(
-    msg: KernelMessage | KernelDied, msg_id: str, out: RunOutcome, collector: OutputCollector
-) -> bool:
-    """Note one message in ``out``; True when it was the run's ``execute_reply``."""
+async def _take(msg: KernelMessage | KernelDied, run: _Run) -> bool:
+    """Note one message in the run's outcome; True when it was the run's reply."""
+    out = run.out
     if isinstance(msg, KernelDied):
         out.death = msg
         return False
-    if msg.parent_id != msg_id:
+    if msg.parent_id != run.msg_id:
         return False
     out.started = True
     if msg.channel == "shell":
-        if msg.msg_type == "execute_reply":
+        if msg.msg_type == run.reply_type:
             out.reply = msg.content
             return True
     elif msg.msg_type == "status":
         out.idle = msg.content.get("execution_state") == "idle"
     elif msg.channel == "iopub":
-        await collector.add(msg)
+        await run.collector.add(msg)
     return False
 
 
-async def _wind_down(
-    conn: KernelConnection,
-    msg_id: str,
-    out: RunOutcome,
-    collector: OutputCollector,
-    interrupt_grace: float,
-) -> None:
+async def _wind_down(conn: KernelConnection, run: _Run, interrupt_grace: float) -> None:
     """After the caller cancelled: interrupt the run unless it already replied, and collect
     until it ends or ``interrupt_grace`` passes (then ``out.stuck``: the kernel must go)."""
-    collector.callbacks = Callbacks()  # the caller is gone
+    out = run.out
+    run.collector.callbacks = Callbacks()  # the caller is gone
     if out.reply is None and out.death is None:
         await conn.interrupt()
     deadline = time.monotonic() + interrupt_grace
-    while (out.reply is None or not out.idle) and out.death is None:
+    while not run.complete() and out.death is None:
         now = time.monotonic()
         if now >= deadline:
             out.stuck = out.reply is None
             return
         msg = await conn.receive(deadline - now)
         if msg is not None:
-            await _take(msg, msg_id, out, collector)
+            await _take(msg, run)
 
 
 async def finish_shielded(work: Awaitable[T]) -> T:

@@ -432,6 +432,8 @@ class AsyncSession:
         settings = self._lease.take_settings()
         if settings is not None:
             request = protocol.with_configure(request, settings)
+        if conn.serves_calls and protocol.is_tool_call(request):
+            request = protocol.served(request)
         self._current = RunOutcome()
         return await run_request(
             conn,

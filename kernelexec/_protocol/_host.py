@@ -22,6 +22,8 @@ from kernelexec._protocol import _kernel_side as kernel_side
 from kernelexec._tools._tool import Tool
 
 RESULT_MIME = kernel_side.RESULT_MIME
+CALL_REQUEST = kernel_side.CALL_REQUEST
+CALL_REPLY = kernel_side.CALL_REPLY
 _MODULE = f"__import__({kernel_side.MODULE_NAME!r})"
 REPORT_EXPRESSION = f"{_MODULE}.report()"
 _REPORT = {kernel_side.REPORT_KEY: REPORT_EXPRESSION}
@@ -39,11 +41,25 @@ class ExecuteRequest:
     store_history: bool = True
     user_expressions: dict[str, str] = field(default_factory=dict)
     metadata: dict[str, Any] = field(default_factory=dict)
+    msg_type: str = "execute_request"
+
+    @property
+    def reply_type(self) -> str:
+        """The msg_type of the request's reply."""
+        return CALL_REPLY if self.msg_type == CALL_REQUEST else "execute_reply"
+
+    @property
+    def quiet(self) -> bool:
+        """Whether the kernel sends no busy/idle for it (its reply counts its outputs)."""
+        return self.msg_type == CALL_REQUEST
 
     def content(self) -> dict[str, Any]:
         """The message content, with kernelexec's execution policy for every backend: no
         stdin (a tool asking for input fails instead of hanging) and no aborting of queued
-        requests after an error (each call stands alone)."""
+        requests after an error (each call stands alone). A served call has everything in
+        its metadata."""
+        if self.msg_type == CALL_REQUEST:
+            return {}
         return {
             "code": self.code,
             "silent": self.silent,
@@ -69,11 +85,19 @@ class Report:
     language_info: dict[str, Any] | None = None
 
 
-def bootstrap_request(max_output_chars: int, *, fast_paths: bool | None = None) -> ExecuteRequest:
-    """The request that installs the kernel side in a fresh kernel (its source rides along)."""
+def bootstrap_request(
+    max_output_chars: int, *, fast_paths: bool | None = None, fast_calls: bool = True
+) -> ExecuteRequest:
+    """The request that installs the kernel side in a fresh kernel (its source rides along).
+
+    ``fast_calls`` lets the kernel side serve tool calls itself (:data:`CALL_REQUEST`);
+    ``KERNELEXEC_FAST_CALLS=0`` in the environment turns that off whatever the caller says,
+    so a whole test suite can run on the execute path.
+    """
     source = importlib.resources.files(__package__).joinpath("_kernel_side.py").read_text()
     if fast_paths is None:
         fast_paths = os.environ.get("KERNELEXEC_NO_FAST_PATHS") != "1"
+    fast_calls = fast_calls and os.environ.get("KERNELEXEC_FAST_CALLS", "1") != "0"
     code = (
         "def __kx_install():\n"
         "    import sys, types\n"
@@ -95,6 +119,7 @@ def bootstrap_request(max_output_chars: int, *, fast_paths: bool | None = None) 
                 "max_output_chars": max_output_chars,
                 "report_expression": REPORT_EXPRESSION,
                 "fast_paths": fast_paths,
+                "fast_calls": fast_calls,
             }
         },
     )
@@ -165,11 +190,32 @@ def tool_call_request(
         spec["agent_state"] = dump_state(agent_state)
     if display:
         spec["display"] = True
+    if tool.is_async:
+        spec["async"] = True
     return ExecuteRequest(
         code=f"await {_MODULE}.acall()" if tool.is_async else f"{_MODULE}.call()",
         user_expressions=_REPORT,
         metadata={kernel_side.METADATA_KEY: spec},
     )
+
+
+def served(request: ExecuteRequest) -> ExecuteRequest:
+    """A tool call ``request`` as the kernel side's own message (:data:`CALL_REQUEST`): the
+    same metadata, no code; for kernels whose helper serves calls (:func:`serves_calls`)."""
+    return dataclasses.replace(request, msg_type=CALL_REQUEST, user_expressions={})
+
+
+def is_tool_call(request: ExecuteRequest) -> bool:
+    """Whether ``request`` is a tool call (built by :func:`tool_call_request`)."""
+    return "name" in (request.metadata.get(kernel_side.METADATA_KEY) or {})
+
+
+def serves_calls(install_reply: dict[str, Any]) -> bool:
+    """Whether the kernel side, by the reply to :func:`bootstrap_request`, serves tool calls."""
+    for payload in _payloads(install_reply):
+        if payload.get("source") == kernel_side.CAPABILITIES_PAYLOAD:
+            return "call" in (payload.get("serves") or [])
+    return False
 
 
 def with_configure(request: ExecuteRequest, settings: dict[str, Any]) -> ExecuteRequest:

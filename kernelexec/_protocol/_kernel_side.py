@@ -11,7 +11,9 @@ What it does inside the kernel:
   message), counts the output messages it sent, and reports the count with the reply
   (``OUTPUTS_PAYLOAD``), so the host can tell when the transport dropped some;
 * keeps no output history (IPython 9 would keep every printed byte for the kernel's lifetime);
-* runs tool calls whose arguments arrive as JSON in the request's metadata, never as code;
+* runs tool calls whose arguments arrive as JSON in the request's metadata, never as code,
+  served by its own shell handler (``CALL_REQUEST``, see :func:`_serve_call`) without
+  IPython's execute machinery, or from an execute request where that is switched off;
 * awaits ``async def`` tools on the kernel's own event loop, so that an interrupt stops them;
 * converts return values to JSON (see :func:`to_jsonable` for the rules) and hands them back
   through ``user_expressions`` in the execute reply, a channel the tool's own prints and displays
@@ -37,6 +39,7 @@ import importlib
 import inspect
 import json
 import linecache
+import logging
 import math
 import os
 import pathlib
@@ -83,6 +86,15 @@ class InvalidArguments(Exception):
 class KernelexecResultTooLarge(Exception):
     """The tool's return value is larger than the configured limit once encoded as JSON."""
 
+
+CALL_REQUEST = "kernelexec_call_request"
+"""The shell message type of a tool call served without the execute machinery (see
+:func:`_serve_call`); its reply is ``CALL_REPLY``."""
+
+CALL_REPLY = "kernelexec_call_reply"
+
+CAPABILITIES_PAYLOAD = "kernelexec.capabilities"
+"""The ``source`` of the install reply's payload that lists what this kernel's helper serves."""
 
 OUTPUTS_PAYLOAD = "kernelexec.outputs"
 """The ``source`` of the reply payload that says how many output messages a run sent."""
@@ -270,9 +282,12 @@ _state: dict[str, Any] = {"result": None, "tools": {}, "budget": None}
 
 
 def _ip() -> Any:
-    from IPython import get_ipython
+    shell = _state.get("shell")
+    if shell is None:  # before install(); IPython's module __getattr__ makes this import slow
+        from IPython import get_ipython
 
-    return get_ipython()
+        shell = get_ipython()
+    return shell
 
 
 def _payload() -> dict[str, Any]:
@@ -365,8 +380,10 @@ def install() -> None:
     budget = _Budget(int(cfg.get("max_output_chars", 1_000_000)))
     _state["budget"] = budget
     shell = _ip()
+    _state["shell"] = shell
     kernel = shell.kernel
     _keep_no_output_history(shell)
+    _quiet_debug_log(kernel)
     guarded: set[int] = set()
     for owner in (kernel, sys.stdout, sys.stderr, shell.displayhook, shell.display_pub):
         session = getattr(owner, "session", None)
@@ -395,6 +412,146 @@ def install() -> None:
         return finish_metadata(parent, metadata, reply_content)
 
     kernel.finish_metadata = finish
+    served = ["call"] if cfg.get("fast_calls", True) and _serve_calls(kernel, shell, budget) else []
+    shell.payload_manager.write_payload({"source": CAPABILITIES_PAYLOAD, "serves": served})
+
+
+def _serve_calls(kernel: Any, shell: Any, budget: _Budget) -> bool:
+    """Register :func:`_serve_call` as the shell handler of ``CALL_REQUEST``; False when this
+    ipykernel has no handler table to register it in (the host then sends execute requests).
+
+    ipykernel publishes ``status: busy``/``idle`` around every shell request; for these calls
+    it does not: the reply says how many output messages were sent, which tells the host when
+    it has them all (the one thing idle was for), and two iopub messages less per call is a
+    quarter of a warm call's kernel time.
+    """
+    handlers = getattr(kernel, "shell_handlers", None)
+    publish = getattr(kernel, "_publish_status", None)
+    if not isinstance(handlers, dict) or publish is None or not hasattr(kernel, "get_parent"):
+        return False
+
+    def publish_status(status: Any, channel: Any, parent: Any = None) -> Any:
+        msg = parent if parent is not None else kernel.get_parent(channel)
+        header = msg.get("header") if isinstance(msg, dict) else None
+        if isinstance(header, dict) and header.get("msg_type") == CALL_REQUEST:
+            return None
+        return publish(status, channel, parent)
+
+    async def handler(stream: Any, ident: Any, parent: Any) -> None:
+        await _serve_call(kernel, shell, budget, stream, ident, parent)
+
+    kernel._publish_status = publish_status
+    handlers[CALL_REQUEST] = handler
+    return True
+
+
+async def _serve_call(
+    kernel: Any, shell: Any, budget: _Budget, stream: Any, ident: Any, parent: Any
+) -> None:
+    """Run one tool call and answer in the reply, as an execute request would have.
+
+    Everything the execute path does that a tool call relies on happens here too: the
+    ``pre_execute``/``post_execute`` events (the output budget, the session's settings, the
+    wait for fd output, users' hooks), stdin refused, the execution count, the return value
+    displayed when the call is recorded, errors shown as an ``error`` output with IPython's
+    traceback, the payloads, and the report in ``user_expressions``. What it skips is the
+    execute machinery: ``execute_input``, busy/idle, input transformers, compiling a cell,
+    history. SIGINT reaches the tool as ``KeyboardInterrupt`` (ipykernel installs the default
+    handler around every shell handler).
+    """
+    reply: dict[str, Any] = {"status": "ok"}
+    try:
+        spec = _payload()
+        count = shell.execution_count
+        shell.execution_count = count + 1  # as IPython does before running a cell
+        shell.events.trigger("pre_execute")
+        forward = getattr(kernel, "_forward_input", None)
+        if forward is not None:
+            forward(False)
+        try:
+            value = await acall() if spec.get("async") else call()
+            if value is not None:
+                _show_result(shell, value)
+        except SystemExit:
+            shell.showtraceback(exception_only=True)
+            reply = _error_reply(shell)
+        except BaseException:
+            shell.showtraceback(exc_tuple=_users_frames(*sys.exc_info()), tb_offset=0)
+            reply = _error_reply(shell)
+        finally:
+            if forward is not None:
+                kernel._restore_input()
+            shell.events.trigger("post_execute")
+            for out in (sys.stdout, sys.stderr):
+                if out is not None:
+                    out.flush()
+        reply["execution_count"] = count
+        reply["user_expressions"] = {
+            REPORT_KEY: {"status": "ok", "data": _Report()._repr_mimebundle_(), "metadata": {}}
+        }
+        reply["payload"] = list(shell.payload_manager.read_payload())
+        shell.payload_manager.clear_payload()
+        _account(budget, parent, reply)
+    except BaseException as exc:  # a fault of kernelexec's own: answer rather than go silent
+        reply = {
+            "status": "error",
+            "ename": type(exc).__name__,
+            "evalue": f"kernelexec's kernel side failed serving the call: {exc}",
+            "traceback": [],
+            "payload": [],
+        }
+    kernel.session.send(stream, CALL_REPLY, reply, parent, ident=ident)
+
+
+def _users_frames(etype: Any, value: Any, tb: Any) -> tuple[Any, Any, Any]:
+    """The exception with kernelexec's own frames taken off the front of its traceback (all
+    kept when there is nothing else: then the error is kernelexec's own check)."""
+    first = tb
+    while tb is not None and tb.tb_frame.f_code.co_filename == "<kernelexec>":
+        tb = tb.tb_next
+    return etype, value, tb if tb is not None else first
+
+
+def _error_reply(shell: Any) -> dict[str, Any]:
+    etype, evalue, _ = sys.exc_info()
+    return {
+        "status": "error",
+        "ename": getattr(etype, "__name__", "Error"),
+        "evalue": str(evalue),
+        "traceback": list(getattr(shell, "_last_traceback", None) or []),
+    }
+
+
+def _show_result(shell: Any, value: Any) -> None:
+    """Show a recorded call's return value as the cell's result, as IPython's displayhook
+    does for a cell's last expression (``execute_result``, ``_``/``Out`` updated)."""
+    hook = shell.displayhook
+    hook.check_for_underscore()
+    hook.start_displayhook()
+    hook.write_output_prompt()
+    data, metadata = hook.compute_format_data(value)
+    hook.update_user_ns(value)
+    hook.fill_exec_result(value)
+    if data:
+        hook.write_format_data(data, metadata)
+        hook.log_output(data)
+    hook.finish_displayhook()
+
+
+def _quiet_debug_log(kernel: Any) -> None:
+    """Raise the kernel logger's level to what its handlers let through.
+
+    traitlets sets an application's logger to DEBUG and filters in its handler, so each of the
+    debug lines ipykernel logs for every message builds a log record that is then thrown away
+    (about a tenth of a served call's kernel time, measured with py-spy).
+    """
+    log = getattr(kernel, "log", None)
+    handlers = getattr(log, "handlers", None)
+    if not isinstance(log, logging.Logger) or not handlers or log.level > logging.DEBUG:
+        return
+    least = min(h.level for h in handlers)
+    if least > logging.DEBUG and not log.propagate:
+        log.setLevel(least)
 
 
 def _run_id() -> Any:

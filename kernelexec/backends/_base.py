@@ -107,6 +107,15 @@ class KernelDied:
 class KernelConnection(abc.ABC):
     """A live kernel: a door for messages both ways, and control over its lifecycle."""
 
+    custom_messages: ClassVar[bool] = True
+    """Whether :meth:`send` carries message types Jupyter does not define (kernelexec's own
+    tool-call request) to the kernel and their replies back. A backend whose transport
+    refuses or drops them sets this False; tool calls then go as execute requests."""
+
+    serves_calls: bool = False
+    """Set by kernelexec's core (not the backend) each time it has installed its helper in
+    the kernel: whether the helper serves tool calls as their own message."""
+
     @abc.abstractmethod
     async def send(
         self,

@@ -126,6 +126,10 @@ _POLL = 0.05
 (a non-blocking ``waitpid``: no I/O)."""
 
 _RECEIVED = ("shell", "iopub", "control")
+_SEND_TRIES = 200
+_SEND_RETRY = 0.005
+"""A request meets a full socket queue only when the kernel stopped reading: it is retried for
+a second (200 x 5 ms), then dropped; the run times out as it would on a hung kernel."""
 
 
 def describe_exit(code: int | None) -> str:
@@ -342,11 +346,14 @@ class LocalConnection(KernelConnection):
         self._km: AsyncKernelManager | None = None
         self._kc: Any = None
         self._sockets: dict[str, zmq.asyncio.Socket] = {}
-        self._poller = zmq.asyncio.Poller()
         self._pending: deque[KernelMessage] = deque()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._fds: list[int] = []  # the sockets' fds, watched by the event loop
+        self._waiter: asyncio.Future[None] | None = None  # the receive() waiting for messages
         self._stderr: IO[bytes] | None = None
         self._died: KernelDied | None = None
         self._drain: list[tuple[str, zmq.Socket[bytes]]] = []
+        self._senders: dict[str, zmq.Socket[bytes]] = {}
         self._seen: dict[bytes, None] = {}  # recent signatures: replayed messages are dropped
 
     async def launch(self) -> None:
@@ -493,16 +500,24 @@ class LocalConnection(KernelConnection):
             "shell": kc.shell_channel.socket,
             "control": kc.control_channel.socket,
         }
-        self._poller = zmq.asyncio.Poller()
         receiving = {
             "shell": kc.shell_channel.socket,
             "iopub": kc.iopub_channel.socket,
             "control": kc.control_channel.socket,
         }
-        for name in _RECEIVED:
-            self._poller.register(receiving[name], zmq.POLLIN)
-        # Blocking twins of the sockets, to drain every ready message without a future each.
+        # Blocking twins of the sockets, read when the event loop sees their fds ready: one
+        # callback drains every ready message, no future or poller per message (the asyncio
+        # sockets themselves are never awaited, which would take their fds over).
         self._drain = [(name, zmq.Socket.shadow(receiving[name].underlying)) for name in _RECEIVED]
+        self._loop = asyncio.get_running_loop()
+        for _, sock in self._drain:
+            fd = sock.getsockopt(zmq.FD)
+            assert isinstance(fd, int)
+            self._loop.add_reader(fd, self._on_readable)
+            self._fds.append(fd)
+        self._senders = {
+            name: zmq.Socket.shadow(sock.underlying) for name, sock in self._sockets.items()
+        }
         self._seen.clear()
         self._pending.clear()
         self._died = None
@@ -577,7 +592,20 @@ class LocalConnection(KernelConnection):
         if kc is None:
             raise KernelStartError("the kernel is shut down")
         msg = kc.session.msg(msg_type, content, metadata=metadata)
-        kc.session.send(self._sockets[channel], msg, buffers=list(buffers) or None)
+        frames = kc.session.serialize(msg)
+        frames.extend(buffers)
+        sock = self._senders[channel]
+        # Straight into the socket's queue: the asyncio socket's send costs a future and a
+        # loop callback per message (a sixth of a warm call's host time).
+        for _ in range(_SEND_TRIES):
+            try:
+                sock.send_multipart(frames, zmq.NOBLOCK)
+                break
+            except zmq.Again:  # the queue is full: a kernel that stopped reading
+                await asyncio.sleep(_SEND_RETRY)
+        else:
+            log.warning("dropped a %s request: the kernel has not read its queue", msg_type)
+        self._loop_soon_drain()  # a send can swallow the socket's readiness edge
         return str(msg["header"]["msg_id"])
 
     async def receive(self, timeout: float) -> KernelMessage | KernelDied | None:
@@ -585,27 +613,53 @@ class LocalConnection(KernelConnection):
             return self._pending.popleft()
         if self._died is not None:
             return self._died
+        self._drain_ready()
+        if self._pending:
+            return self._pending.popleft()
         deadline = time.monotonic() + timeout
+        loop = asyncio.get_running_loop()
         while True:
             wait = max(0.0, min(deadline - time.monotonic(), _POLL))
-            if await self._poller.poll(wait * 1000):
-                self._drain_ready()
-                if self._pending:
-                    return self._pending.popleft()
-            else:
-                died = self._check_process()
-                if died is not None:
-                    self._drain_ready()  # what it sent before dying comes first
-                    return self._pending.popleft() if self._pending else died
+            waiter = self._waiter = loop.create_future()
+            timer = loop.call_later(wait, _wake, waiter)
+            try:
+                await waiter
+            finally:
+                timer.cancel()
+                self._waiter = None
+            if not self._pending:
+                self._drain_ready()  # the safety net under a readiness edge never seen
+            if self._pending:
+                return self._pending.popleft()
+            died = self._check_process()
+            if died is not None:
+                self._drain_ready()  # what it sent before dying comes first
+                return self._pending.popleft() if self._pending else died
             if time.monotonic() >= deadline:
                 return None
 
+    def _on_readable(self) -> None:
+        """The event loop saw a socket's fd ready: take what arrived, wake ``receive``."""
+        self._drain_ready()
+        waiter = self._waiter
+        if self._pending and waiter is not None:
+            _wake(waiter)
+
+    def _loop_soon_drain(self) -> None:
+        if self._loop is not None and self._fds:
+            self._loop.call_soon(self._on_readable)
+
     def _drain_ready(self) -> None:
+        # zmq's fd only signals changes (edge-triggered): read until the socket itself says
+        # nothing is left, or a message that came in meanwhile would wait for the next edge.
         for channel, sock in self._drain:
             while True:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
+                    events = sock.getsockopt(zmq.EVENTS)
+                    if isinstance(events, int) and events & zmq.POLLIN:
+                        continue
                     break
                 msg = self._decode(channel, frames)
                 if msg is not None:
@@ -684,9 +738,16 @@ class LocalConnection(KernelConnection):
     async def shutdown(self) -> None:
         km, self._km = self._km, None
         kc, self._kc = self._kc, None
+        for fd in self._fds:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(fd)
+        self._fds = []
+        if self._waiter is not None:
+            _wake(self._waiter)
         if kc is not None:
             kc.stop_channels()
         self._sockets = {}
+        self._senders = {}
         for _, sock in self._drain:
             sock.close(linger=0)
         self._drain = []
@@ -765,3 +826,8 @@ async def _kill_process_group(km: AsyncKernelManager) -> None:
         os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
     with contextlib.suppress(Exception):
         proc.wait(timeout=5)
+
+
+def _wake(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_result(None)
