@@ -101,10 +101,18 @@ def kernels_of(pid: int) -> set[int]:
     found = set()
     for child in children(pid, b"ipykernel"):
         if child in children(pid, FORK_SERVER.encode()):
-            found |= {k.pid for k in psutil.Process(child).children()}
-        else:
+            found |= {k.pid for k in psutil.Process(child).children() if _running(k)}
+        elif _running(psutil.Process(child)):
             found.add(child)
     return found
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Not a zombie: a process that has exited is reaped by its parent a moment later."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def wait_exited(pids: set[int], timeout: float = 15.0) -> set[int]:
@@ -166,11 +174,13 @@ def tools_notebook(tmp_path: Path) -> Path:
 
 
 def server_env(tmp: Path) -> dict[str, str]:
+    switches = {k: os.environ[k] for k in ("KERNELEXEC_NO_FORK_SERVER",) if k in os.environ}
     return {
         "PATH": os.environ["PATH"],
         "HOME": os.environ.get("HOME", str(tmp)),
         "TMPDIR": str(tmp),
         "KERNELEXEC_CACHE_DIR": os.environ["KERNELEXEC_CACHE_DIR"],
+        **switches,  # a suite run with the fork server off runs its servers without it too
     }
 
 
