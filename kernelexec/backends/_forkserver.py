@@ -42,7 +42,6 @@ from kernelexec._sandbox import _launcher
 
 log = logging.getLogger("kernelexec")
 
-# jupyter-client is not involved here, but keep the text free of "{name}" like the launcher's.
 SOURCE = r"""# kernelexec fork server
 import ctypes, json, os, signal, socket, sys
 libc = ctypes.CDLL(None, use_errno=True)
