@@ -173,10 +173,13 @@ def wait_exited(pid: int, timeout: float = 15.0) -> bool:
 
 
 def kernels_matching(text: str) -> list[psutil.Process]:
-    """Every ipykernel process on the machine whose command line contains ``text``."""
+    """Every running ipykernel process on the machine whose command line contains ``text``
+    (an exited process its new parent, init, has not reaped yet does not count)."""
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter(["cmdline", "status"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
         if "ipykernel" in cmdline and text in cmdline:
             found.append(proc)
     return found
