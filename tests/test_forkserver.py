@@ -15,7 +15,7 @@ import pytest
 import kernelexec as kx
 from kernelexec._sandbox import _cgroups, _users
 from kernelexec.backends import LocalBackend
-from kernelexec.backends._local import NO_FORK_SERVER_ENV
+from kernelexec.backends._forkservers import NO_FORK_SERVER_ENV
 from tests.conftest import wait_exited
 from tests.procs import children
 from tests.wheels import make_wheel

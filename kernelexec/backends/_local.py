@@ -44,7 +44,6 @@ from kernelexec._sandbox._bwrap import bwrap_argv
 from kernelexec._sandbox._launcher import launcher_argv
 from kernelexec._sandbox._plan import SandboxPlan, make_plan
 from kernelexec._tempdirs import make_owned_dir
-from kernelexec.backends import _forkserver
 from kernelexec.backends._base import (
     KernelBackend,
     KernelConnection,
@@ -52,7 +51,13 @@ from kernelexec.backends._base import (
     KernelLaunch,
     KernelMessage,
 )
-from kernelexec.backends._forkserver import ForkedProcess, ForkServer, ForkServerError
+from kernelexec.backends._forkserver import ForkedProcess
+from kernelexec.backends._forkservers import (
+    FORKED_LEVELS,
+    ForkServers,
+    enabled,
+    stop_forked,
+)
 
 # Flags that trim start-up: no history database (nothing written under ~/.ipython), and the
 # 0.5 ms sleep ipykernel inserts before every reply turned off.
@@ -111,16 +116,6 @@ class _FixedSpecs(KernelSpecManager):
         return self._spec
 
 
-NO_FORK_SERVER_ENV = "KERNELEXEC_NO_FORK_SERVER"
-"""Set to ``1`` to launch every kernel the plain way (as ``fork_server=False`` does)."""
-
-FORKED_LEVELS = ("none", "process")
-"""Isolation levels whose kernels come from a fork server (``"bwrap"`` starts a new process in
-new namespaces, which a fork of the server cannot be)."""
-
-_SERVER_RETRIES = 2
-"""Fork servers of one kind that may fail before kernels of that kind stay on plain launches."""
-
 _POLL = 0.05
 """Seconds of silence after which ``receive`` checks whether the kernel process still runs
 (a non-blocking ``waitpid``: no I/O)."""
@@ -151,6 +146,12 @@ class LocalBackend(KernelBackend):
         python: The interpreter that runs kernels when the launch names none; it must have
             ipykernel installed. Defaults to the interpreter running kernelexec.
         extra_args: Extra command-line arguments for ipykernel.
+        fork_server: Fork new kernels at isolation ``"none"`` and ``"process"`` from a fork
+            server of their interpreter (``_forkserver``); False, or ``KERNELEXEC_NO_FORK_SERVER=1``
+            in the environment, launches every kernel the plain way.
+
+    Raises:
+        ConfigError: ``fork_server`` is not a bool.
     """
 
     name = "local"
@@ -167,76 +168,21 @@ class LocalBackend(KernelBackend):
         self.extra_args = tuple(extra_args)
         if not isinstance(fork_server, bool):
             raise ConfigError(f"fork_server must be True or False, not {fork_server!r}")
-        self.fork_server = (
-            fork_server
-            and _forkserver.supported()
-            and os.environ.get(NO_FORK_SERVER_ENV, "") in ("", "0")
-        )
+        self.fork_server = enabled(fork_server)
         self._plans: dict[tuple[Any, ...], SandboxPlan] = {}
-        self._servers: dict[tuple[Any, ...], ForkServer] = {}
-        self._server_failures: dict[tuple[Any, ...], int] = {}
-        self._holders = 0
+        self.forks = ForkServers()
 
     def hold(self) -> None:
-        self._holders += 1
+        self.forks.hold()
 
     async def release(self) -> None:
-        self._holders -= 1
-        if self._holders <= 0:
-            self._holders = 0
-            self.close_servers()
-
-    def kernel_ended(self, server: ForkServer) -> None:
-        """A kernel forked by ``server`` has ended, or a fork failed: a server that failed is
-        dropped, and so is one of a backend no executor holds (used directly, or wrapped by
-        another backend) once its last kernel has ended."""
-        if server.failed or (self._holders == 0 and server.live == 0):
-            for key, known in list(self._servers.items()):
-                if known is server:
-                    del self._servers[key]
-                    if server.failed:
-                        self._server_failures[key] = self._server_failures.get(key, 0) + 1
-            server.close()
-
-    def close_servers(self) -> None:
-        """End every fork server of this backend (kernels forked from them end too)."""
-        servers = list(self._servers.values())
-        self._servers.clear()
-        for server in servers:
-            server.close()
+        self.forks.release()
 
     def launch_kind(self, launch: KernelLaunch) -> str:
         """How kernels of ``launch`` are started: ``"fork server"`` or ``"plain"``."""
         if self.fork_server and launch.isolation in FORKED_LEVELS:
             return "fork server"
         return "plain"
-
-    def server_for(self, python: str, env: dict[str, str], level: str) -> ForkServer | None:
-        """The running fork server for kernels of ``python`` with ``env`` at ``level``
-        (started here, on the event loop's thread), or None to launch the plain way."""
-        if not self.fork_server or level not in FORKED_LEVELS:
-            return None
-        user_site = level == "none"  # at "process" HOME is the kernel's own, empty directory
-        key = _forkserver.server_key(python, env, user_site)
-        server = self._servers.get(key)
-        if server is not None and server.alive():
-            return server
-        if server is not None:
-            del self._servers[key]
-            self._server_failures[key] = self._server_failures.get(key, 0) + 1
-            log.info("fork server for %s ended: %s", python, server.failed or "it exited")
-            server.close()
-        if self._server_failures.get(key, 0) >= _SERVER_RETRIES:
-            return None
-        server = ForkServer(python, env, user_site)
-        try:
-            server.start()
-        except OSError as exc:
-            self._server_failures[key] = _SERVER_RETRIES
-            log.warning("could not start a fork server for %s (%s): plain launches", python, exc)
-            return None
-        self._servers[key] = server
-        return server
 
     def describe(self) -> str:
         return f"local:{self.python}"
@@ -302,7 +248,7 @@ class LocalBackend(KernelBackend):
             launch.env,
             plan,
             launch.workdir,
-            backend=self if self.launch_kind(launch) == "fork server" else None,
+            forks=self.forks if self.launch_kind(launch) == "fork server" else None,
         )
         try:
             await asyncio.wait_for(conn.launch(), timeout)
@@ -326,10 +272,10 @@ class LocalConnection(KernelConnection):
         env: dict[str, str],
         plan: SandboxPlan | None = None,
         workdir: str | None = None,
-        backend: LocalBackend | None = None,
+        forks: ForkServers | None = None,
     ) -> None:
         self._python = python
-        self._servers = backend  # the backend, which holds the fork servers
+        self._forks = forks
         self._forked: ForkedProcess | None = None
         self.launched_by = ""
         """How the current kernel was started: ``"fork server"`` or ``"plain"``."""
@@ -441,10 +387,10 @@ class LocalConnection(KernelConnection):
     async def _fork(self, env: dict[str, str], kernel_args: list[str], kdir: str) -> bool:
         """Start the kernel from a fork server; False when there is none to use (then the
         caller launches it the plain way)."""
-        backend = self._servers
-        if backend is None:
+        forks = self._forks
+        if forks is None:
             return False
-        server = backend.server_for(self._python, env, self._plan.level if self._plan else "none")
+        server = forks.server_for(self._python, env, self._plan.level if self._plan else "none")
         if server is None:
             return False
         km = self._manager(kdir)
@@ -452,7 +398,6 @@ class LocalConnection(KernelConnection):
         host = os.getpid()
         args = [a.replace("{connection_file}", km.connection_file) for a in kernel_args]
         args.append(f"--IPKernelApp.parent_handle={host}")
-        env = {**env, "JPY_PARENT_PID": str(host)}
         plan = self._plan
         launcher = None
         if plan is not None:
@@ -463,30 +408,21 @@ class LocalConnection(KernelConnection):
                 "host": server.pid,
             }
         self._stderr = stderr = tempfile.TemporaryFile()  # noqa: SIM115
-        loop = asyncio.get_running_loop()
-        errfd = os.dup(stderr.fileno())  # the thread's own: shutdown may close the file
-
-        def fork() -> int:
-            try:
-                return server.fork(argv=args, env=env, cwd=kdir, stderr=errfd, launcher=launcher)
-            finally:
-                os.close(errfd)
-
-        call = loop.run_in_executor(None, fork)
-        try:
-            pid = await asyncio.shield(call)
-        except ForkServerError as exc:
-            log.warning("fork server unusable, launching the plain way: %s", exc)
-            backend.kernel_ended(server)
+        forked = await forks.fork(
+            server,
+            argv=args,
+            env={**env, "JPY_PARENT_PID": str(host)},
+            cwd=kdir,
+            stderr=stderr.fileno(),
+            launcher=launcher,
+        )
+        if forked is None:
             stderr.close()
             self._stderr = None
             km.cleanup_connection_file()
             return False
-        except asyncio.CancelledError:
-            call.add_done_callback(lambda done: _discard_late_fork(done, server))
-            raise
         self._km = km
-        self._forked = ForkedProcess(pid, server)
+        self._forked = forked
         self.launched_by = "fork server"
         return True
 
@@ -755,9 +691,9 @@ class LocalConnection(KernelConnection):
         self._died = KernelDied("the kernel is shut down")
         forked, self._forked = self._forked, None
         if forked is not None:
-            await _stop_forked(forked, launcher=self._plan is not None)
-            if self._servers is not None:
-                self._servers.kernel_ended(forked.server)
+            await stop_forked(forked, launcher=self._plan is not None)
+            if self._forks is not None:
+                self._forks.kernel_ended(forked.server)
         if km is not None:
             await self._stop_launcher(km)
             if self._cgroup is not None:
@@ -794,28 +730,6 @@ class LocalConnection(KernelConnection):
         except subprocess.TimeoutExpired:
             with contextlib.suppress(OSError):
                 proc.kill()
-
-
-async def _stop_forked(proc: ForkedProcess, *, launcher: bool) -> None:
-    """End a forked kernel as a plain one is ended: its launcher asked to kill it and every
-    descendant (SIGTERM), or the kernel's process group killed; then reap it."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM if launcher else signal.SIGKILL)
-        if not await proc.wait_async(5.0):
-            proc.kill()
-            await proc.wait_async(5.0)
-    proc.close()
-
-
-def _discard_late_fork(done: asyncio.Future[int], server: ForkServer) -> None:
-    """A fork whose caller gave up: kill and reap the kernel it made, if it made one."""
-    if done.cancelled() or done.exception() is not None:
-        return
-    proc = ForkedProcess(done.result(), server)
-    proc.kill()
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        proc.wait(5)
-    proc.close()
 
 
 async def _kill_process_group(km: AsyncKernelManager) -> None:
