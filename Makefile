@@ -23,11 +23,12 @@ bwrap:
 		|| (apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1)) \
 		|| echo "bubblewrap not installed: the bwrap cases will skip"; }
 
-# The suite runs twice: on the fast paths (tool calls served by the kernel side), then on the
-# fallbacks every kernel has (tool calls as execute requests).
+# The suite runs twice: on the fast paths (tool calls served by the kernel side, kernels forked
+# from a fork server), then on the fallbacks (execute requests, plain launches).
 test: $(STAMP) bwrap browser
 	$(BIN)/python -m pytest -q -n 2 tests
-	KERNELEXEC_FAST_CALLS=0 $(BIN)/python -m pytest -q -n 2 -p no:cacheprovider tests
+	KERNELEXEC_FAST_CALLS=0 KERNELEXEC_NO_FORK_SERVER=1 \
+		$(BIN)/python -m pytest -q -n 2 -p no:cacheprovider tests
 
 # The browser tests need Debian's chromium (Playwright cannot download its own browser here):
 # installed when we can (root with apt-get); otherwise those tests skip and say why.

@@ -332,6 +332,37 @@ async def bench_first_call(results: dict[str, Any], rounds: int) -> None:
     results["first_call_prewarm"] = stats(warm)
 
 
+async def bench_cold_start(results: dict[str, Any], rounds: int) -> None:
+    """First call of a new session without a prewarmed kernel, in an executor that already runs
+    (its fork server, when on, was started by an earlier session), with and without the fork
+    server, at "none" and "process" ("bwrap" always launches the plain way); variants take
+    turns. Each measured session is closed before the next, so one kernel runs at a time."""
+    tool = kx.Tool.from_source(ADD_SOURCE)
+    args = {"a": 1, "b": 2}
+    variants = [(level, fork) for level in ("none", "process") for fork in (True, False)]
+    log(f"cold start of a new session, fork server on/off: {rounds} rounds")
+    samples: dict[str, list[float]] = {}
+    async with contextlib.AsyncExitStack() as stack:
+        executors = {}
+        for level, fork in variants:
+            ex = await stack.enter_async_context(
+                kx.AsyncKernelExecutor(isolation=level, backend_options={"fork_server": fork})
+            )
+            first = await ex.session("first")
+            await first.call_tool(tool, args)  # starts the fork server (when on)
+            await first.aclose()
+            executors[(level, fork)] = ex
+        for i in range(rounds):
+            for (level, fork), ex in executors.items():
+                name = f"cold_start_{level}_{'fork' if fork else 'plain'}"
+                t0 = time.perf_counter()
+                await ex.call_tool(tool, args, agent_id=f"cold-{i}")
+                samples.setdefault(name, []).append(time.perf_counter() - t0)
+                await (await ex.session(f"cold-{i}")).aclose()
+    for name, values in samples.items():
+        results[name] = stats(values)
+
+
 ISOLATION_LEVELS = ("none", "process", "bwrap")
 
 
@@ -367,6 +398,21 @@ async def bench_isolation(results: dict[str, Any], n: int, rounds: int) -> None:
     results["isolation"] = {
         level: {"warm": stats(warm[level]), "cold": stats(cold[level])} for level in levels
     }
+
+
+def cold_table(results: dict[str, Any]) -> list[str]:
+    """The cold-start rows alone (``--cold-only``)."""
+    lines = ["| cold start: first call of a new session | median ms | p90 ms | p99 ms |"]
+    lines.append("|---|---|---|---|")
+    for level in ("none", "process"):
+        for kind in ("fork", "plain"):
+            r = results.get(f"cold_start_{level}_{kind}")
+            if r:
+                lines.append(
+                    f"| {level}, {'fork server' if kind == 'fork' else 'plain launch'} | "
+                    f"{r['median_ms']:.1f} | {r['p90_ms']:.1f} | {r['p99_ms']:.1f} |"
+                )
+    return lines if len(lines) > 2 else []
 
 
 def isolation_table(results: dict[str, Any]) -> list[str]:
@@ -503,8 +549,8 @@ async def bench_stateful(results: dict[str, Any], queries: int, workdir: str) ->
 
 
 def table(results: dict[str, Any]) -> str:
-    if "baseline" not in results:  # --isolation-only
-        return "\n".join(isolation_table(results))
+    if "baseline" not in results:  # --isolation-only or --cold-only
+        return "\n".join(cold_table(results) + isolation_table(results))
     base = results["baseline"]["median_ms"]
     floor = results["floor_jupyter_client"]["median_ms"]
     lines = [
@@ -525,7 +571,11 @@ def table(results: dict[str, Any]) -> str:
         ("call_tool_warm_recorded", "kernelexec call_tool, warm, recorded (1,000+ cells)"),
         ("run_code_warm", "kernelexec run_code `add(1, 2)`, warm"),
         ("first_call_prewarm", "first call of a new session, prewarm=1"),
-        ("first_call_cold", "first call of a new session, no prewarm"),
+        ("first_call_cold", "first call of a new executor's first session, no prewarm"),
+        ("cold_start_none_fork", "cold start: new session, no prewarm, 'none', fork server"),
+        ("cold_start_none_plain", "cold start: new session, no prewarm, 'none', plain launch"),
+        ("cold_start_process_fork", "cold start: new session, no prewarm, 'process', fork server"),
+        ("cold_start_process_plain", "cold start: new session, no prewarm, 'process', plain"),
     ]:
         if key not in results:
             continue
@@ -621,11 +671,15 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     if args.isolation_only:
         await bench_isolation(results, n=50 if quick else 1000, rounds=1 if quick else 8)
         return results
+    if args.cold_only:
+        await bench_cold_start(results, rounds=2 if quick else 20)
+        return results
     with tempfile.TemporaryDirectory(prefix="kxbench-") as workdir:
         await bench_warm(
             results, n=50 if quick else 1000, n_base=10 if quick else 200, workdir=workdir
         )
         await bench_first_call(results, rounds=1 if quick else 8)
+        await bench_cold_start(results, rounds=2 if quick else 20)
         await bench_throughput(
             results, levels=[1, 2] if quick else [1, 2, 4, 8, 32], window=0.5 if quick else 3.0
         )
@@ -640,10 +694,21 @@ def main() -> int:
     parser.add_argument(
         "--isolation-only", action="store_true", help="only the rows per isolation level"
     )
+    parser.add_argument(
+        "--cold-only",
+        action="store_true",
+        help="only the cold-start rows (fork server on and off)",
+    )
     parser.add_argument("--out", default=None, help="JSON path (default: results/latest.json)")
     args = parser.parse_args()
     if args.out is None:
-        name = "isolation.json" if args.isolation_only else "latest.json"
+        name = (
+            "isolation.json"
+            if args.isolation_only
+            else "cold.json"
+            if args.cold_only
+            else "latest.json"
+        )
         args.out = str(Path(__file__).parent / "results" / name)
     results = asyncio.run(main_async(args))
     out = Path(args.out)

@@ -36,17 +36,53 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 def kernel_children() -> set[int]:
     """Pids of the kernels this test process started: ipykernel processes whose parent is this
     process, or kernelexec's launcher (isolation "process"/"bwrap") whose child the kernel is;
-    a launcher without its kernel counts itself."""
+    a launcher without its kernel counts itself; so do kernels forked by a fork server (see
+    :func:`forked_kernels`)."""
     found = set()
     for child in psutil.Process().children():
         try:
             cmdline = child.cmdline()
             if "ipykernel" not in " ".join(cmdline):
                 continue
-            if any(arg.startswith("# kernelexec launcher") for arg in cmdline):
+            if any(arg.startswith(FORK_SERVER) for arg in cmdline):
+                found |= forked_kernels(child)
+            elif any(arg.startswith("# kernelexec launcher") for arg in cmdline):
                 kernels = {k.pid for k in child.children()}
                 found |= kernels or {child.pid}
             else:
+                found.add(child.pid)
+        except psutil.Error:
+            continue
+    return found
+
+
+FORK_SERVER = "# kernelexec fork server"
+
+
+def forked_kernels(server: psutil.Process) -> set[int]:
+    """The kernels under a fork server: its children, or, for a child that is a launcher
+    (forked processes all show the server's command line; a launcher is single-threaded), the
+    launcher's first child (a launcher without its kernel counts itself)."""
+    found = set()
+    for child in server.children():
+        try:
+            if child.num_threads() > 1:
+                found.add(child.pid)
+                continue
+            with open(f"/proc/{child.pid}/task/{child.pid}/children") as fh:
+                kids = fh.read().split()
+            found.add(int(kids[0]) if kids else child.pid)
+        except (psutil.Error, OSError):
+            continue
+    return found
+
+
+def fork_servers() -> set[int]:
+    """Pids of the fork servers this test process started."""
+    found = set()
+    for child in psutil.Process().children():
+        try:
+            if any(arg.startswith(FORK_SERVER) for arg in child.cmdline()):
                 found.add(child.pid)
         except psutil.Error:
             continue
@@ -69,9 +105,12 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         return
     before_dirs = our_temp_dirs()
     before = kernel_children()
+    before_servers = fork_servers()
     yield
     leaked = kernel_children() - before
     assert not leaked, f"kernel processes left running: {leaked}"
+    servers = fork_servers() - before_servers
+    assert not servers, f"fork servers left running: {servers}"
     new_dirs = our_temp_dirs() - before_dirs
     assert not new_dirs, f"temporary directories left behind: {new_dirs}"
 
@@ -80,9 +119,11 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
 def executor() -> Iterator[kx.KernelExecutor]:
     """One executor per test module; tests use distinct agent ids."""
     before, before_dirs = kernel_children(), our_temp_dirs()
+    before_servers = fork_servers()
     with kx.KernelExecutor(default_timeout=30, max_kernels=8) as ex:
         yield ex
     assert not kernel_children() - before, "the shared executor left kernels running"
+    assert not fork_servers() - before_servers, "the shared executor left fork servers running"
     assert not our_temp_dirs() - before_dirs, "the shared executor left temp dirs"
 
 
@@ -132,10 +173,13 @@ def wait_exited(pid: int, timeout: float = 15.0) -> bool:
 
 
 def kernels_matching(text: str) -> list[psutil.Process]:
-    """Every ipykernel process on the machine whose command line contains ``text``."""
+    """Every running ipykernel process on the machine whose command line contains ``text``
+    (an exited process its new parent, init, has not reaped yet does not count)."""
     found = []
-    for proc in psutil.process_iter(["cmdline"]):
+    for proc in psutil.process_iter(["cmdline", "status"]):
         cmdline = " ".join(proc.info["cmdline"] or [])
+        if proc.info["status"] == psutil.STATUS_ZOMBIE:
+            continue
         if "ipykernel" in cmdline and text in cmdline:
             found.append(proc)
     return found

@@ -31,6 +31,7 @@ from typing import Any
 import anyio
 import httpx2
 import nbformat
+import psutil
 import pytest
 from mcp.client.session import ClientSession
 from mcp.client.stdio import StdioServerParameters, stdio_client
@@ -39,6 +40,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
 from kernelexec._cli._main import main
+from tests.conftest import FORK_SERVER
 from tests.procs import children
 
 pytestmark = pytest.mark.anyio
@@ -94,8 +96,23 @@ def expected_png() -> bytes:
 
 
 def kernels_of(pid: int) -> set[int]:
-    """Pids of kernel processes whose parent is ``pid``."""
-    return children(pid, b"ipykernel")
+    """Pids of kernel processes (or their launchers) whose parent is ``pid``, or a fork server
+    of ``pid`` (forked kernels carry the server's command line)."""
+    found = set()
+    for child in children(pid, b"ipykernel"):
+        if child in children(pid, FORK_SERVER.encode()):
+            found |= {k.pid for k in psutil.Process(child).children() if _running(k)}
+        elif _running(psutil.Process(child)):
+            found.add(child)
+    return found
+
+
+def _running(proc: psutil.Process) -> bool:
+    """Not a zombie: a process that has exited is reaped by its parent a moment later."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def wait_exited(pids: set[int], timeout: float = 15.0) -> set[int]:
@@ -157,11 +174,13 @@ def tools_notebook(tmp_path: Path) -> Path:
 
 
 def server_env(tmp: Path) -> dict[str, str]:
+    switches = {k: os.environ[k] for k in ("KERNELEXEC_NO_FORK_SERVER",) if k in os.environ}
     return {
         "PATH": os.environ["PATH"],
         "HOME": os.environ.get("HOME", str(tmp)),
         "TMPDIR": str(tmp),
         "KERNELEXEC_CACHE_DIR": os.environ["KERNELEXEC_CACHE_DIR"],
+        **switches,  # a suite run with the fork server off runs its servers without it too
     }
 
 

@@ -106,6 +106,7 @@ class AsyncKernelExecutor:
             self.config.max_output_chars, fast_calls=self.config.fast_calls
         )
         self._own_workdir = False
+        self.backend.hold()
 
     @property
     def env(self) -> Env:
@@ -464,6 +465,7 @@ class AsyncKernelExecutor:
             await asyncio.shield(self._supervisor.aclose())
         finally:
             await asyncio.shield(asyncio.gather(*(p.aclose() for p in pools)))
+            await asyncio.shield(self.backend.release())
             if self._own_workdir and isinstance(self._workdir, Path):
                 shutil.rmtree(self._workdir, ignore_errors=True)
 

@@ -11,12 +11,17 @@ SIGKILL when the launcher goes, so killing the launcher cannot leave the kernel 
 ends
 the kernel, the launcher kills the remaining descendants and exits with the kernel's status
 (re-raising the signal that killed it), so the host sees the kernel's own exit.
+
+A fork server (``backends._forkserver``) runs the same text in a forked child of its own, with
+``sys.argv`` set as here and a ``run_kernel`` function in the globals: the kernel process then
+calls it after :func:`setup` instead of executing ``argv``, so both launches get one ``setup``.
 """
 
 from __future__ import annotations
 
 import json
 import sys
+from typing import Any
 
 from kernelexec._sandbox import _mounts
 
@@ -95,10 +100,13 @@ def setup():
     + _mounts.SOURCE
     + r"""
 launcher = os.getpid()
+run_kernel = globals().get("run_kernel")
 pid = os.fork()
 if pid == 0:
     try:
         setup()
+        if run_kernel is not None:
+            run_kernel()  # forked from a fork server: the kernel runs here; never returns
         os.execvp(argv[0], argv)
     except BaseException as exc:
         os.write(2, ("kernelexec launcher: " + repr(exc) + "\n").encode())
@@ -129,24 +137,30 @@ sys.exit(os.WEXITSTATUS(status) if status is not None else 1)
 )
 
 
-def launcher_argv(
-    kernel_argv: list[str],
+def launcher_config(
     *,
     procs: list[str],
     rlimits: list[tuple[int, int]],
     uid: int | None,
     host_pid: int,
     bridges: list[tuple[str, list[str]]] | None = None,
-) -> list[str]:
-    """The command line that runs ``kernel_argv`` under the launcher (``bridges``: see
-    :mod:`kernelexec._sandbox._mounts`)."""
-    cfg = {
+) -> dict[str, Any]:
+    """The launcher's configuration: the cgroup ``procs`` files to join, the rlimits, the
+    kernel's uid, the process that must be its parent, and the paths to bridge (see
+    :mod:`kernelexec._sandbox._mounts`). The plain launch passes it on the command line; a
+    fork server hands it to the launcher it runs in the forked child."""
+    return {
         "procs": procs,
         "rlimits": rlimits,
         "uid": uid,
         "host": host_pid,
         "bridges": bridges or [],
     }
+
+
+def launcher_argv(kernel_argv: list[str], cfg: dict[str, Any]) -> list[str]:
+    """The command line that runs ``kernel_argv`` under the launcher configured by ``cfg``
+    (:func:`launcher_config`)."""
     return [
         sys.executable,
         "-I",

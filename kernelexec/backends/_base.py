@@ -22,6 +22,8 @@ Who calls what, and when (all on the executor's one event-loop thread):
   ``Session.interrupt``; it may be called while ``receive`` is awaited.
 * :meth:`KernelConnection.restart` and :meth:`KernelConnection.shutdown`: by the pool when a
   session's kernel must be replaced, is evicted, or the executor closes.
+* :meth:`KernelBackend.hold` and :meth:`KernelBackend.release`: by the executor, when it is made
+  and after it has shut its kernels down at close.
 
 Backends are found by name through the ``kernelexec.backends`` entry-point group (see
 :func:`kernelexec.backends.get_backend`); the local backend is registered there too.
@@ -249,6 +251,21 @@ class KernelBackend(abc.ABC):
             str(launch.network),
         ]
         return hashlib.sha256("|".join(parts).encode()).hexdigest()[:16]
+
+    def hold(self) -> None:
+        """An executor starts using this backend (called once, when it is made).
+
+        With :meth:`release`, lets a backend keep helpers (a fork server) for as long as some
+        executor uses it. The default does nothing.
+        """
+        return None
+
+    async def release(self) -> None:
+        """An executor that called :meth:`hold` has closed (its kernels are shut down).
+
+        The default does nothing.
+        """
+        return None
 
     def describe(self) -> str:
         """A short text identifying where this backend runs kernels (for logs and fingerprints)."""

@@ -8,6 +8,11 @@ Shutting the kernel down removes the directory.
 At ``isolation="process"`` and ``"bwrap"`` the kernel runs under kernelexec's launcher
 (``_sandbox._launcher``) in a cgroup of its own where the host allows, with its limits, as its
 own user on a root host (who then owns the directory), and under ``"bwrap"`` inside bubblewrap.
+
+At ``"none"`` and ``"process"`` kernels are forked from a fork server (``_forkserver``) of their
+interpreter when one can run, which saves the interpreter's start-up and imports; under
+``"bwrap"`` (a new process in new namespaces) and whenever the server cannot start, the kernel is
+launched the plain way, a fresh interpreter per kernel.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from jupyter_client.manager import AsyncKernelManager
 from kernelexec._exceptions import ConfigError, KernelStartError
 from kernelexec._sandbox import _cgroups, _users
 from kernelexec._sandbox._bwrap import bwrap_argv
-from kernelexec._sandbox._launcher import launcher_argv
+from kernelexec._sandbox._launcher import launcher_argv, launcher_config
 from kernelexec._sandbox._plan import SandboxPlan, make_plan
 from kernelexec._tempdirs import make_owned_dir
 from kernelexec.backends._base import (
@@ -45,6 +50,13 @@ from kernelexec.backends._base import (
     KernelDied,
     KernelLaunch,
     KernelMessage,
+)
+from kernelexec.backends._forkserver import ForkedProcess
+from kernelexec.backends._forkservers import (
+    FORKED_LEVELS,
+    ForkServers,
+    enabled,
+    stop_forked,
 )
 
 # Flags that trim start-up: no history database (nothing written under ~/.ipython), and the
@@ -134,16 +146,43 @@ class LocalBackend(KernelBackend):
         python: The interpreter that runs kernels when the launch names none; it must have
             ipykernel installed. Defaults to the interpreter running kernelexec.
         extra_args: Extra command-line arguments for ipykernel.
+        fork_server: Fork new kernels at isolation ``"none"`` and ``"process"`` from a fork
+            server of their interpreter (``_forkserver``); False, or ``KERNELEXEC_NO_FORK_SERVER=1``
+            in the environment, launches every kernel the plain way.
+
+    Raises:
+        ConfigError: ``fork_server`` is not a bool.
     """
 
     name = "local"
     host_filesystem = True
     default_isolation = "process"
 
-    def __init__(self, python: str | None = None, extra_args: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        python: str | None = None,
+        extra_args: tuple[str, ...] = (),
+        fork_server: bool = True,
+    ) -> None:
         self.python = python or sys.executable
         self.extra_args = tuple(extra_args)
+        if not isinstance(fork_server, bool):
+            raise ConfigError(f"fork_server must be True or False, not {fork_server!r}")
+        self.fork_server = enabled(fork_server)
         self._plans: dict[tuple[Any, ...], SandboxPlan] = {}
+        self.forks = ForkServers()
+
+    def hold(self) -> None:
+        self.forks.hold()
+
+    async def release(self) -> None:
+        self.forks.release()
+
+    def launch_kind(self, launch: KernelLaunch) -> str:
+        """How kernels of ``launch`` are started: ``"fork server"`` or ``"plain"``."""
+        if self.fork_server and launch.isolation in FORKED_LEVELS:
+            return "fork server"
+        return "plain"
 
     def describe(self) -> str:
         return f"local:{self.python}"
@@ -173,7 +212,13 @@ class LocalBackend(KernelBackend):
 
     def isolation(self, launch: KernelLaunch) -> dict[str, Any]:
         plan = self.plan(launch)
-        return {"level": plan.level, "limits": plan.limits_text, "boundaries": plan.boundaries}
+        launched = (
+            "forked from a fork server of the interpreter (a plain launch when none can start)"
+            if self.launch_kind(launch) == "fork server"
+            else "a new interpreter per kernel (plain launch)"
+        )
+        bounds = {**plan.boundaries, "launch": launched}
+        return {"level": plan.level, "limits": plan.limits_text, "boundaries": bounds}
 
     def fingerprint(self, launch: KernelLaunch, base: str) -> str:
         # A local kernel at the default level is exactly its environment (whose fingerprint
@@ -197,7 +242,14 @@ class LocalBackend(KernelBackend):
         if plan.use_cgroup and not _cgroups_swept:
             _cgroups_swept = True
             _cgroups.sweep_stale()  # groups that killed hosts left (their processes are gone)
-        conn = LocalConnection(python, self.extra_args, launch.env, plan, launch.workdir)
+        conn = LocalConnection(
+            python,
+            self.extra_args,
+            launch.env,
+            plan,
+            launch.workdir,
+            forks=self.forks if self.launch_kind(launch) == "fork server" else None,
+        )
         try:
             await asyncio.wait_for(conn.launch(), timeout)
         except asyncio.TimeoutError:
@@ -220,8 +272,13 @@ class LocalConnection(KernelConnection):
         env: dict[str, str],
         plan: SandboxPlan | None = None,
         workdir: str | None = None,
+        forks: ForkServers | None = None,
     ) -> None:
         self._python = python
+        self._forks = forks
+        self._forked: ForkedProcess | None = None
+        self.launched_by = ""
+        """How the current kernel was started: ``"fork server"`` or ``"plain"``."""
         self._extra_args = extra_args
         self._env = dict(env)
         self._plan = plan if plan is not None and plan.level != "none" else None
@@ -267,16 +324,11 @@ class LocalConnection(KernelConnection):
                     raise KernelStartError(f"could not set up the kernel's cgroup: {exc}") from exc
         env["IPYTHONDIR"] = os.path.join(kdir, "ipython")
         env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
-        argv = [
-            self._python,
-            "-c",
-            _LEAN_LAUNCHER,
-            "-f",
-            "{connection_file}",
-            *_KERNEL_FLAGS,
-            *self._extra_args,
-        ]
+        kernel_args = ["-f", "{connection_file}", *_KERNEL_FLAGS, *self._extra_args]
         bwrap = plan is not None and plan.level == "bwrap"
+        if not bwrap and await self._fork(env, kernel_args, kdir):
+            return await self._connect()
+        argv = [self._python, "-c", _LEAN_LAUNCHER, *kernel_args]
         if plan is not None:
             if bwrap:
                 writable = [kdir, *([self._workdir] if self._workdir else [])]
@@ -291,14 +343,7 @@ class LocalConnection(KernelConnection):
                     ),
                     *argv,
                 ]
-            argv = launcher_argv(
-                argv,
-                procs=self._cgroup.procs_files if self._cgroup else [],
-                rlimits=plan.rlimits,
-                uid=None if bwrap else self._uid,
-                host_pid=os.getpid(),
-                bridges=plan.bridges(kdir, self._workdir),
-            )
+            argv = launcher_argv(argv, self._launcher_config(kdir, os.getpid(), bwrap=bwrap))
         spec = KernelSpec(
             argv=argv,
             display_name="kernelexec",
@@ -308,14 +353,7 @@ class LocalConnection(KernelConnection):
             metadata={},
             env={},
         )
-        km = _Manager(
-            kernel_spec_manager=_FixedSpecs(spec),
-            kernel_name="kernelexec",
-            transport="ipc",
-            ip=os.path.join(kdir, "s"),
-            connection_file=os.path.join(kdir, "kernel.json"),
-        )
-        km.kernel_uid = self._uid
+        km = self._manager(kdir, spec)
         self._km = km
         # Kernel stdout gets fd-level output that ipykernel also forwards as messages; it must
         # never be a pipe nobody drains. stderr is kept (bounded by the kernel's lifetime) so a
@@ -325,6 +363,62 @@ class LocalConnection(KernelConnection):
             await km.start_kernel(env=env, cwd=kdir, stdout=subprocess.DEVNULL, stderr=self._stderr)
         except Exception as exc:
             raise KernelStartError(f"could not launch {self._python}: {exc}") from exc
+        self.launched_by = "plain"
+        await self._connect()
+
+    def _manager(self, kdir: str, spec: KernelSpec | None = None) -> _Manager:
+        extra: dict[str, Any] = {"kernel_spec_manager": _FixedSpecs(spec)} if spec else {}
+        km = _Manager(
+            **extra,
+            kernel_name="kernelexec",
+            transport="ipc",
+            ip=os.path.join(kdir, "s"),
+            connection_file=os.path.join(kdir, "kernel.json"),
+        )
+        km.kernel_uid = self._uid
+        return km
+
+    async def _fork(self, env: dict[str, str], kernel_args: list[str], kdir: str) -> bool:
+        """Start the kernel from a fork server; False when there is none to use (then the
+        caller launches it the plain way)."""
+        forks = self._forks
+        if forks is None:
+            return False
+        server = forks.server_for(self._python, env, self._plan.level if self._plan else "none")
+        if server is None:
+            return False
+        km = self._manager(kdir)
+        km.write_connection_file()
+        host = os.getpid()
+        args = [a.replace("{connection_file}", km.connection_file) for a in kernel_args]
+        args.append(f"--IPKernelApp.parent_handle={host}")
+        plan = self._plan
+        launcher = None
+        if plan is not None:
+            assert server.pid is not None  # server_for hands out started servers only
+            launcher = self._launcher_config(kdir, server.pid, bwrap=False)
+        self._stderr = stderr = tempfile.TemporaryFile()  # noqa: SIM115
+        forked = await forks.fork(
+            server,
+            argv=args,
+            env={**env, "JPY_PARENT_PID": str(host)},
+            cwd=kdir,
+            stderr=stderr.fileno(),
+            launcher=launcher,
+        )
+        if forked is None:
+            stderr.close()
+            self._stderr = None
+            km.cleanup_connection_file()
+            return False
+        self._km = km
+        self._forked = forked
+        self.launched_by = "fork server"
+        return True
+
+    async def _connect(self) -> None:
+        km = self._km
+        assert km is not None
         kc = km.client(context=_context())
         kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=True)
         self._kc = kc
@@ -354,6 +448,20 @@ class LocalConnection(KernelConnection):
         self._pending.clear()
         self._died = None
 
+    def _launcher_config(self, kdir: str, parent: int, *, bwrap: bool) -> dict[str, Any]:
+        """The launcher's configuration for this kernel; ``parent`` is the process that
+        starts the launcher (this one, or the fork server). Under bwrap the user is dropped by
+        bwrap, not the launcher."""
+        plan = self._plan
+        assert plan is not None
+        return launcher_config(
+            procs=self._cgroup.procs_files if self._cgroup else [],
+            rlimits=plan.rlimits,
+            uid=None if bwrap else self._uid,
+            host_pid=parent,
+            bridges=plan.bridges(kdir, self._workdir),
+        )
+
     def diagnostics(self, limit: int = 2000) -> str:
         handle = self._stderr
         if handle is None:
@@ -376,12 +484,28 @@ class LocalConnection(KernelConnection):
         info["kernel_name"] = ""
         return info
 
-    def kernel_pid(self) -> int | None:
+    def _process(self) -> Any:
+        """The process the host started for the kernel (a ``Popen``, or the
+        :class:`ForkedProcess` a fork server made): the launcher under isolation, else the
+        kernel; None once shut down."""
+        if self._forked is not None:
+            return self._forked
         km = self._km
-        proc = getattr(km.provisioner, "process", None) if km is not None else None
+        return getattr(km.provisioner, "process", None) if km is not None else None
+
+    def kernel_pid(self) -> int | None:
+        proc = self._process()
         pid = getattr(proc, "pid", None)
         if pid is None or self._plan is None:
             return pid
+        if self._forked is not None:
+            # The launcher's first child is the kernel: orphans it adopts come after it.
+            try:
+                with open(f"/proc/{pid}/task/{pid}/children") as fh:
+                    kids = fh.read().split()
+            except OSError:
+                return None
+            return int(kids[0]) if kids else None
         # Under the launcher (and bubblewrap) the kernel is the deepest process running the
         # lean launcher's code.
         try:
@@ -482,8 +606,7 @@ class LocalConnection(KernelConnection):
                     self._pending.append(msg)
 
     def _check_process(self) -> KernelDied | None:
-        km = self._km
-        proc = getattr(km.provisioner, "process", None) if km is not None else None
+        proc = self._process()
         if proc is None:
             self._died = KernelDied("the kernel is shut down")
             return self._died
@@ -540,7 +663,11 @@ class LocalConnection(KernelConnection):
 
     async def interrupt(self) -> None:
         km = self._km
-        if km is not None and km.has_kernel:
+        if self._forked is not None:
+            # Signal mode, as jupyter-client does it: SIGINT to the kernel's process group
+            # (a launcher ignores it).
+            self._forked.send_signal(signal.SIGINT)
+        elif km is not None and km.has_kernel:
             with contextlib.suppress(Exception):
                 await km.interrupt_kernel()
 
@@ -566,6 +693,11 @@ class LocalConnection(KernelConnection):
         self._drain = []
         self._pending.clear()
         self._died = KernelDied("the kernel is shut down")
+        forked, self._forked = self._forked, None
+        if forked is not None:
+            await stop_forked(forked, launcher=self._plan is not None)
+            if self._forks is not None:
+                self._forks.kernel_ended(forked.server)
         if km is not None:
             await self._stop_launcher(km)
             if self._cgroup is not None:
