@@ -13,6 +13,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 import kernelexec as kx
@@ -401,3 +402,27 @@ def test_importing_backends_does_not_import_websockets() -> None:
     code = "import sys, kernelexec.backends; print('websockets' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+@pytest.mark.anyio
+async def test_a_start_cancelled_mid_request_leaves_no_kernel_on_the_gateway(
+    gateway: Gateway,
+) -> None:
+    # The gateway answers POST /api/kernels once the kernel is up: while its kernel process
+    # exists and the gateway does not list it yet, the request is in flight.
+    assert gateway.proc is not None
+    server = psutil.Process(gateway.proc.pid)
+    before = {p.pid for p in server.children(recursive=True)}
+    async with kx.AsyncKernelExecutor(backend=backend(gateway), default_timeout=30) as ex:
+        call = asyncio.create_task(ex.run_code("1", agent_id="cancelled"))
+        started: list[psutil.Process] = []
+        while not started:
+            started = [p for p in server.children(recursive=True) if p.pid not in before]
+            await asyncio.sleep(0.01)  # polling the gateway's process table, not a duration
+        assert not call.done()  # the start request is in flight
+        call.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await call
+    # The kernel the gateway started for the cancelled request is deleted, so it exits.
+    _, alive = await asyncio.to_thread(psutil.wait_procs, started, 60)
+    assert alive == [] and gateway.kernels() == []

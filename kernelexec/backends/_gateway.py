@@ -19,7 +19,8 @@ import ssl
 import sys
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Literal
+from collections.abc import Awaitable
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 from urllib.parse import urlsplit
 
 from kernelexec._exceptions import ConfigError, KernelStartError
@@ -38,6 +39,8 @@ from kernelexec.backends._gateway_rest import (
     ws_url,
 )
 from kernelexec.backends._gateway_wire import V1, decode, encode, new_message
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from websockets.asyncio.client import ClientConnection
@@ -197,12 +200,12 @@ class GatewayBackend(KernelBackend):
         try:
             await asyncio.wait_for(conn.launch(), timeout)
         except asyncio.TimeoutError:
-            await asyncio.shield(conn.shutdown())
+            await _to_the_end(conn.shutdown())
             raise KernelStartError(
                 f"the gateway at {self.url} did not start a kernel within {timeout:g} s"
             ) from None
         except BaseException:
-            await asyncio.shield(conn.shutdown())
+            await _to_the_end(conn.shutdown())
             raise
         return conn
 
@@ -247,9 +250,19 @@ class GatewayConnection(KernelConnection):
         self._outbox.clear()
         self._seen.clear()
         self._session = uuid.uuid4().hex
-        self.kernel_id = await self._rest.start_kernel(
-            self._kernel_name, self._env, self._backend.path
+        start = asyncio.ensure_future(
+            self._rest.start_kernel(self._kernel_name, self._env, self._backend.path)
         )
+        try:
+            self.kernel_id = await asyncio.shield(start)
+        except asyncio.CancelledError:
+            # Cancelled mid-request (an executor closing while its pool refills): the gateway
+            # starts the kernel anyway and only the reply says which, so wait for it and
+            # delete the kernel before the cancellation goes on.
+            with contextlib.suppress(Exception):
+                kernel_id = await _to_the_end(start)
+                await _to_the_end(self._rest.delete(kernel_id))
+            raise
         # The handshake waits for the kernel's first reply; start() bounds the whole launch.
         await self._connect(open_timeout=None)
 
@@ -512,3 +525,14 @@ class GatewayConnection(KernelConnection):
                 return None
             await asyncio.sleep(min(delay, give_up - now, max(0.0, deadline - now)))
             delay = min(delay * 2, 1.0)
+
+
+async def _to_the_end(work: Awaitable[T]) -> T:
+    """Await ``work`` to its end, whatever cancellations reach the caller meanwhile."""
+    task = asyncio.ensure_future(work)
+    while True:
+        try:
+            return await asyncio.shield(task)
+        except asyncio.CancelledError:
+            if task.done():
+                raise
