@@ -174,7 +174,11 @@ def tools_notebook(tmp_path: Path) -> Path:
 
 
 def server_env(tmp: Path) -> dict[str, str]:
-    switches = {k: os.environ[k] for k in ("KERNELEXEC_NO_FORK_SERVER",) if k in os.environ}
+    switches = {
+        k: os.environ[k]
+        for k in ("KERNELEXEC_NO_FORK_SERVER", "KERNELEXEC_FAST_CALLS")
+        if k in os.environ
+    }
     return {
         "PATH": os.environ["PATH"],
         "HOME": os.environ.get("HOME", str(tmp)),
