@@ -361,7 +361,7 @@ def _fast_dates() -> None:
         from jupyter_client import jsonutil, session
     except ImportError:
         return
-    original = getattr(session, "extract_dates", None)
+    original: Any = getattr(session, "extract_dates", None)
     pattern = getattr(jsonutil, "ISO8601_PAT", None)
     ensure_tz = getattr(jsonutil, "_ensure_tzinfo", None)
     if original is None or pattern is None or ensure_tz is None or sys.version_info < (3, 11):
@@ -379,7 +379,7 @@ def _fast_dates() -> None:
                 return original(obj)
         return obj
 
-    session.extract_dates = extract_dates
+    setattr(session, "extract_dates", extract_dates)  # noqa: B010 (not exported: mypy)
 
 
 def _fast_report(expression: str) -> None:
