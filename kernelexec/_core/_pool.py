@@ -16,7 +16,7 @@ from collections import deque
 
 from kernelexec._core._budget import KernelBudget
 from kernelexec._core._run import run_internal
-from kernelexec._core._startup import restart_kernel, start_kernel
+from kernelexec._core._startup import restart_kernel, shutdown_fully, start_kernel
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
 from kernelexec._exceptions import ExecutorClosedError, KernelStartError, PoolExhaustedError
@@ -118,7 +118,7 @@ class KernelPool:
         self._in_use.discard(conn)
         with contextlib.suppress(ValueError):
             self._warm.remove(conn)
-        await asyncio.shield(conn.shutdown())
+        await shutdown_fully(conn)
         if known:
             self._budget.release()
         self._kick_refill()
@@ -181,7 +181,7 @@ class KernelPool:
                     # Ahead of need there is time for what would slow the first error down.
                     await run_internal(conn, WARM_TRACEBACKS, self._start_timeout)
                 except BaseException:
-                    await asyncio.shield(conn.shutdown())
+                    await shutdown_fully(conn)
                     self._budget.release()
                     raise
                 self._warm.append(conn)

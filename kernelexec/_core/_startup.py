@@ -35,9 +35,31 @@ async def start_kernel(
     try:
         await _ready_and_installed(conn, bootstrap, deadline)
     except BaseException:
-        await asyncio.shield(conn.shutdown())
+        await shutdown_fully(conn)
         raise
     return conn
+
+
+async def shutdown_fully(conn: KernelConnection) -> None:
+    """Shut ``conn`` down to the end, even when the caller is cancelled meanwhile (an executor
+    closing while a pool starts or culls a kernel); the cancellation goes on afterwards.
+
+    ``asyncio.shield`` alone is not enough: under anyio's task groups a cancelled caller is
+    cancelled again at its next await, and a shutdown left running on its own may never finish
+    (on a gateway that leaves the kernel running).
+    """
+    task = asyncio.ensure_future(conn.shutdown())
+    cancelled = False
+    while True:
+        try:
+            await asyncio.shield(task)
+            break
+        except asyncio.CancelledError:
+            if task.done():
+                raise
+            cancelled = True
+    if cancelled:
+        raise asyncio.CancelledError
 
 
 async def restart_kernel(conn: KernelConnection, bootstrap: ExecuteRequest, timeout: float) -> None:

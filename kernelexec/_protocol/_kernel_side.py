@@ -357,9 +357,11 @@ def _fast_dates() -> None:
     reads the same ISO 8601 strings to the same values; anything it refuses (and every
     string on older Pythons) goes the original way.
     """
-    try:
-        from jupyter_client import jsonutil, session
-    except ImportError:
+    # Already imported by ipykernel; looked up, not imported (this module is standard library
+    # only: another kernel may lack jupyter-client).
+    session = sys.modules.get("jupyter_client.session")
+    jsonutil = sys.modules.get("jupyter_client.jsonutil")
+    if session is None or jsonutil is None:
         return
     original: Any = getattr(session, "extract_dates", None)
     pattern = getattr(jsonutil, "ISO8601_PAT", None)

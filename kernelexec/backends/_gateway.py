@@ -325,12 +325,15 @@ class GatewayConnection(KernelConnection):
         self._sock = None
         self._outbox.clear()
         self._died = KernelDied("the kernel is shut down")
+        # Both run to their end even if the caller is cancelled meanwhile (an executor closing
+        # while a kernel is culled): an interrupted DELETE would leave the kernel running on
+        # the gateway, and this connection no longer knows its id.
         if ws is not None:
             with contextlib.suppress(Exception):
-                await ws.close()
+                await _to_the_end(ws.close())
         if kernel_id is not None:
             with contextlib.suppress(Exception):
-                await self._rest.delete(kernel_id)
+                await _to_the_end(self._rest.delete(kernel_id))
 
     async def interrupt(self) -> None:
         if self.kernel_id is not None:
