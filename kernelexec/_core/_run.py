@@ -15,15 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
+from kernelexec._aio import finish_shielded
 from kernelexec._core._outputs import Callbacks, Collected, OutputCollector
 from kernelexec._protocol._host import ExecuteRequest, output_count
 from kernelexec.backends._base import KernelConnection, KernelDied, KernelMessage
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -186,18 +184,3 @@ async def _wind_down(conn: KernelConnection, run: _Run, interrupt_grace: float) 
         msg = await conn.receive(deadline - now)
         if msg is not None:
             await _take(msg, run)
-
-
-async def finish_shielded(work: Awaitable[T]) -> T:
-    """Run ``work`` to its end even if the caller is cancelled (again) meanwhile.
-
-    Used for what a cancelled call must still do (stop its code, replace a stuck kernel): a
-    second cancellation waits for it instead of leaving the kernel half-handled.
-    """
-    task = asyncio.ensure_future(work)
-    while True:
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():
-                raise

@@ -16,10 +16,11 @@ from typing import Any, Literal, Protocol
 
 from nbformat import NotebookNode
 
+from kernelexec._aio import finish_shielded
 from kernelexec._config import valid_timeout
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
-from kernelexec._core._run import RunOutcome, finish_shielded, run_internal, run_request
+from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
 from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
 from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import time
 
+from kernelexec._aio import finish_then_cancel
 from kernelexec._core._run import run_internal
 from kernelexec._exceptions import KernelStartError
 from kernelexec._protocol._host import ExecuteRequest, serves_calls
@@ -42,24 +43,8 @@ async def start_kernel(
 
 async def shutdown_fully(conn: KernelConnection) -> None:
     """Shut ``conn`` down to the end, even when the caller is cancelled meanwhile (an executor
-    closing while a pool starts or culls a kernel); the cancellation goes on afterwards.
-
-    ``asyncio.shield`` alone is not enough: under anyio's task groups a cancelled caller is
-    cancelled again at its next await, and a shutdown left running on its own may never finish
-    (on a gateway that leaves the kernel running).
-    """
-    task = asyncio.ensure_future(conn.shutdown())
-    cancelled = False
-    while True:
-        try:
-            await asyncio.shield(task)
-            break
-        except asyncio.CancelledError:
-            if task.done():
-                raise
-            cancelled = True
-    if cancelled:
-        raise asyncio.CancelledError
+    closing while a pool starts or culls a kernel); the cancellation goes on afterwards."""
+    await finish_then_cancel(conn.shutdown())
 
 
 async def restart_kernel(conn: KernelConnection, bootstrap: ExecuteRequest, timeout: float) -> None:

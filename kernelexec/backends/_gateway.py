@@ -19,10 +19,10 @@ import ssl
 import sys
 import time
 import uuid
-from collections.abc import Awaitable
-from typing import TYPE_CHECKING, Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
+from kernelexec._aio import finish_shielded, finish_then_cancel
 from kernelexec._exceptions import ConfigError, KernelStartError
 from kernelexec.backends._base import (
     KernelBackend,
@@ -39,8 +39,6 @@ from kernelexec.backends._gateway_rest import (
     ws_url,
 )
 from kernelexec.backends._gateway_wire import V1, decode, encode, new_message
-
-T = TypeVar("T")
 
 if TYPE_CHECKING:
     from websockets.asyncio.client import ClientConnection
@@ -200,12 +198,12 @@ class GatewayBackend(KernelBackend):
         try:
             await asyncio.wait_for(conn.launch(), timeout)
         except asyncio.TimeoutError:
-            await _to_the_end(conn.shutdown())
+            await finish_then_cancel(conn.shutdown())
             raise KernelStartError(
                 f"the gateway at {self.url} did not start a kernel within {timeout:g} s"
             ) from None
         except BaseException:
-            await _to_the_end(conn.shutdown())
+            await finish_then_cancel(conn.shutdown())
             raise
         return conn
 
@@ -260,8 +258,8 @@ class GatewayConnection(KernelConnection):
             # starts the kernel anyway and only the reply says which, so wait for it and
             # delete the kernel before the cancellation goes on.
             with contextlib.suppress(Exception):
-                kernel_id = await _to_the_end(start)
-                await _to_the_end(self._rest.delete(kernel_id))
+                kernel_id = await finish_shielded(start)
+                await finish_then_cancel(self._rest.delete(kernel_id))
             raise
         # The handshake waits for the kernel's first reply; start() bounds the whole launch.
         await self._connect(open_timeout=None)
@@ -330,10 +328,10 @@ class GatewayConnection(KernelConnection):
         # the gateway, and this connection no longer knows its id.
         if ws is not None:
             with contextlib.suppress(Exception):
-                await _to_the_end(ws.close())
+                await finish_then_cancel(ws.close())
         if kernel_id is not None:
             with contextlib.suppress(Exception):
-                await _to_the_end(self._rest.delete(kernel_id))
+                await finish_then_cancel(self._rest.delete(kernel_id))
 
     async def interrupt(self) -> None:
         if self.kernel_id is not None:
@@ -528,14 +526,3 @@ class GatewayConnection(KernelConnection):
                 return None
             await asyncio.sleep(min(delay, give_up - now, max(0.0, deadline - now)))
             delay = min(delay * 2, 1.0)
-
-
-async def _to_the_end(work: Awaitable[T]) -> T:
-    """Await ``work`` to its end, whatever cancellations reach the caller meanwhile."""
-    task = asyncio.ensure_future(work)
-    while True:
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            if task.done():
-                raise
