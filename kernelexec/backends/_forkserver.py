@@ -39,6 +39,7 @@ import time
 from typing import IO, Any
 
 from kernelexec._sandbox import _launcher
+from kernelexec.backends._stderr import stderr_tail
 
 log = logging.getLogger("kernelexec")
 
@@ -356,16 +357,7 @@ class ForkServer:
 
     def diagnostics(self, limit: int = 2000) -> str:
         """The tail of the server's stderr, or ``""``."""
-        handle = self._stderr
-        if handle is None:
-            return ""
-        try:
-            size = os.fstat(handle.fileno()).st_size
-            start = max(0, size - limit)
-            text = os.pread(handle.fileno(), size - start, start).decode(errors="replace")
-        except (OSError, ValueError):
-            return ""
-        return f"\nfork server stderr:\n{text.strip()}" if text.strip() else ""
+        return stderr_tail(self._stderr, "fork server stderr", limit)
 
     def close(self) -> None:
         """End the server (its kernels end with it) and wait until it has exited."""

@@ -58,6 +58,7 @@ from kernelexec.backends._forkservers import (
     enabled,
     stop_forked,
 )
+from kernelexec.backends._stderr import stderr_tail
 
 # Flags that trim start-up: no history database (nothing written under ~/.ipython), and the
 # 0.5 ms sleep ipykernel inserts before every reply turned off.
@@ -291,7 +292,6 @@ class LocalConnection(KernelConnection):
         """Messages dropped for a bad signature, a replay or garbage (since the start)."""
         self._km: AsyncKernelManager | None = None
         self._kc: Any = None
-        self._sockets: dict[str, zmq.asyncio.Socket] = {}
         self._pending: deque[KernelMessage] = deque()
         self._loop: asyncio.AbstractEventLoop | None = None
         self._fds: list[int] = []  # the sockets' fds, watched by the event loop
@@ -422,10 +422,6 @@ class LocalConnection(KernelConnection):
         kc = km.client(context=_context())
         kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=True)
         self._kc = kc
-        self._sockets = {
-            "shell": kc.shell_channel.socket,
-            "control": kc.control_channel.socket,
-        }
         receiving = {
             "shell": kc.shell_channel.socket,
             "iopub": kc.iopub_channel.socket,
@@ -433,17 +429,19 @@ class LocalConnection(KernelConnection):
         }
         # Blocking twins of the sockets, read when the event loop sees their fds ready: one
         # callback drains every ready message, no future or poller per message (the asyncio
-        # sockets themselves are never awaited, which would take their fds over).
-        self._drain = [(name, zmq.Socket.shadow(receiving[name].underlying)) for name in _RECEIVED]
+        # sockets themselves are never awaited, which would take their fds over). Requests
+        # go out through the same twins.
+        twins: dict[str, zmq.Socket[bytes]] = {
+            name: zmq.Socket.shadow(receiving[name].underlying) for name in _RECEIVED
+        }
+        self._drain = list(twins.items())
+        self._senders = {"shell": twins["shell"], "control": twins["control"]}
         self._loop = asyncio.get_running_loop()
         for _, sock in self._drain:
             fd = sock.getsockopt(zmq.FD)
             assert isinstance(fd, int)
             self._loop.add_reader(fd, self._on_readable)
             self._fds.append(fd)
-        self._senders = {
-            name: zmq.Socket.shadow(sock.underlying) for name, sock in self._sockets.items()
-        }
         self._seen.clear()
         self._pending.clear()
         self._died = None
@@ -463,16 +461,7 @@ class LocalConnection(KernelConnection):
         )
 
     def diagnostics(self, limit: int = 2000) -> str:
-        handle = self._stderr
-        if handle is None:
-            return ""
-        try:
-            size = os.fstat(handle.fileno()).st_size
-            start = max(0, size - limit)
-            text = os.pread(handle.fileno(), size - start, start).decode(errors="replace").strip()
-        except (OSError, ValueError):
-            return ""
-        return f"\nkernel stderr:\n{text}" if text else ""
+        return stderr_tail(self._stderr, "kernel stderr", limit)
 
     def connection_info(self) -> dict[str, Any] | None:
         km = self._km
@@ -686,7 +675,6 @@ class LocalConnection(KernelConnection):
             _wake(self._waiter)
         if kc is not None:
             kc.stop_channels()
-        self._sockets = {}
         self._senders = {}
         for _, sock in self._drain:
             sock.close(linger=0)
