@@ -138,6 +138,53 @@ class ExecError(BaseModel):
     traceback: list[str] = Field(default_factory=list)
 
 
+HostCallOutcome = Literal["ok", "error", "timeout", "invalid_args", "refused", "cancelled"]
+
+
+class HostCallContext(BaseModel):
+    """What a host function learns about the call when it has a ``context`` parameter.
+
+    Attributes:
+        agent_id: The session's agent id.
+        module: The module kernel code imported the function from (``"tools"``).
+        function: The function's name.
+        call_id: The call's id, unique within its run.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    agent_id: str
+    module: str
+    function: str
+    call_id: str
+
+
+class HostCall(BaseModel):
+    """One call from kernel code to a host function, as the host saw it.
+
+    Attributes:
+        module: The module the function was exposed as.
+        name: The function's name.
+        arguments: The arguments kernel code passed (JSON).
+        duration_s: Seconds from the call's arrival on the host to its answer.
+        outcome: ``"ok"``, ``"error"`` (the function raised), ``"timeout"`` (its own timeout),
+            ``"invalid_args"``, ``"refused"`` (not exposed, or over the run's call limit) or
+            ``"cancelled"`` (the run was interrupted or ended first).
+        result: The return value (JSON) when the outcome is ``"ok"``.
+        error: The message kernel code got otherwise (the host exception's class and message).
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    module: str
+    name: str
+    arguments: Any = None
+    duration_s: float = 0.0
+    outcome: HostCallOutcome
+    result: Any = None
+    error: str | None = None
+
+
 class Execution(BaseModel):
     """The outcome of running code in a kernel.
 
@@ -160,6 +207,8 @@ class Execution(BaseModel):
             complete in memory and the next save writes it whole.
         widgets_dropped: How many ipywidgets the code displayed. No frontend renders them
             here, so ``outputs`` holds only their text fallback.
+        host_calls: The calls kernel code made to host functions during the run (code mode,
+            see ``AsyncSession.expose``), in the order they finished.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -177,6 +226,7 @@ class Execution(BaseModel):
     lost_outputs: int = 0
     recording_error: str | None = None
     widgets_dropped: int = 0
+    host_calls: list[HostCall] = Field(default_factory=list)
 
     @property
     def ok(self) -> bool:

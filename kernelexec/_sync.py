@@ -111,6 +111,11 @@ class Session:
         """The file the recording is saved to after every run (a ``Path``), or None."""
         return self._inner.record_path
 
+    def expose(self, *functions: Any, module: str = "tools", timeout: float | None = None) -> None:
+        """Make host functions importable by the session's code; see
+        :meth:`AsyncSession.expose`."""
+        self._portal.call(self._inner.expose, *functions, module=module, timeout=timeout)
+
     def run_code(
         self,
         code: str,
@@ -120,6 +125,7 @@ class Session:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: Any = None,
     ) -> Execution:
         """Run code in the session's kernel; see :meth:`AsyncSession.run_code`."""
         return self._portal.call(
@@ -130,6 +136,7 @@ class Session:
             on_stdout=on_stdout,
             on_stderr=on_stderr,
             on_display=on_display,
+            host_functions=host_functions,
         )
 
     def call_tool(
@@ -143,6 +150,7 @@ class Session:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: Any = None,
     ) -> ToolResult:
         """Call a tool; see :meth:`AsyncSession.call_tool`."""
         return self._portal.call(
@@ -155,6 +163,7 @@ class Session:
             on_stdout=on_stdout,
             on_stderr=on_stderr,
             on_display=on_display,
+            host_functions=host_functions,
         )
 
     def variables(self) -> dict[str, dict[str, str]]:

@@ -16,12 +16,22 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kernelexec._aio import finish_shielded
 from kernelexec._core._outputs import Callbacks, Collected, OutputCollector
 from kernelexec._protocol._host import ExecuteRequest, output_count
 from kernelexec.backends._base import KernelConnection, KernelDied, KernelMessage
+
+
+class HostCallHandler(Protocol):
+    """Takes a run's calls from kernel code to host functions (code mode's ``HostCalls``)."""
+
+    def take(self, msg: KernelMessage) -> bool:
+        """Handle ``msg`` (a message of the run) if it is a host call; True when it was."""
+
+    def interrupted(self) -> None:
+        """The run is being interrupted: cancel the calls in flight."""
 
 
 @dataclass
@@ -67,20 +77,22 @@ async def run_request(
     max_output_chars: int,
     callbacks: Callbacks | None = None,
     out: RunOutcome | None = None,
+    host: HostCallHandler | None = None,
 ) -> RunOutcome:
     """Send ``request`` and collect everything that belongs to it (into ``out`` if given).
 
     Returns when the run is complete, the kernel died, or the run timed out (after interrupting
     it and waiting ``interrupt_grace``). Messages for any other request are ignored. When the
     caller cancels, the run is wound down (see :func:`_wind_down`) and the cancellation goes on
-    with ``out.cancelled`` set.
+    with ``out.cancelled`` set. ``host`` gets the run's calls to host functions (code mode);
+    the run's deadline holds whatever they do, and an interrupt cancels them.
     """
     out = out if out is not None else RunOutcome()
     collector = OutputCollector(out.collected, max_output_chars, callbacks or Callbacks())
     start = time.monotonic()
     content = request.content()
     msg_id = await conn.send("shell", request.msg_type, content, metadata=request.metadata)
-    run = _Run(msg_id, request.reply_type, request.quiet, out, collector)
+    run = _Run(msg_id, request.reply_type, request.quiet, out, collector, host)
     try:
         await _collect(conn, run, start + timeout, interrupt_grace, output_grace)
     except asyncio.CancelledError:
@@ -103,6 +115,7 @@ class _Run:
     quiet: bool  # no busy/idle: complete once the outputs the reply counts have arrived
     out: RunOutcome
     collector: OutputCollector
+    host: HostCallHandler | None = None
     expected: int | None = None  # output messages the kernel says it sent (quiet runs)
 
     def complete(self) -> bool:
@@ -135,6 +148,8 @@ async def _collect(
             if not out.timed_out:
                 out.timed_out = True
                 await conn.interrupt()
+                if run.host is not None:
+                    run.host.interrupted()
                 deadline = now + interrupt_grace
                 continue
             out.stuck = True
@@ -164,6 +179,8 @@ async def _take(msg: KernelMessage | KernelDied, run: _Run) -> bool:
     elif msg.msg_type == "status":
         out.idle = msg.content.get("execution_state") == "idle"
     elif msg.channel == "iopub":
+        if run.host is not None and run.host.take(msg):
+            return False
         await run.collector.add(msg)
     return False
 
@@ -175,6 +192,8 @@ async def _wind_down(conn: KernelConnection, run: _Run, interrupt_grace: float) 
     run.collector.callbacks = Callbacks()  # the caller is gone
     if out.reply is None and out.death is None:
         await conn.interrupt()
+    if run.host is not None:
+        run.host.interrupted()
     deadline = time.monotonic() + interrupt_grace
     while not run.complete() and out.death is None:
         now = time.monotonic()

@@ -9,6 +9,7 @@ is one). The kernel's lifecycle is the lease's (``_lease``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePath
@@ -17,17 +18,31 @@ from typing import Any, Literal, Protocol
 from nbformat import NotebookNode
 
 from kernelexec._aio import finish_shielded
+from kernelexec._codemode._calls import HOST_CALL_MIME, HostCalls
+from kernelexec._codemode._exposure import DEFAULT_MODULE, Exposure, HostFunctions, one_call
+from kernelexec._codemode._functions import HostFunction
 from kernelexec._config import valid_timeout
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
-from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
-from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
+from kernelexec._exceptions import ConfigError, EnvSetupError, ExecutorClosedError
+from kernelexec._models import (
+    ExecError,
+    Execution,
+    HostCall,
+    Isolation,
+    RunRecord,
+    ToolResult,
+    now_iso,
+)
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import ExecuteRequest
 from kernelexec._tools._tool import Tool
+from kernelexec.backends._base import KernelConnection
+
+log = logging.getLogger("kernelexec")
 
 
 class RunObserver(Protocol):
@@ -67,6 +82,7 @@ class AsyncSession:
         observers: tuple[RunObserver, ...] = (),
         on_close: Callable[[AsyncSession], Awaitable[None]] | None = None,
         isolation: Isolation | None = None,
+        max_host_calls: int = 1000,
     ) -> None:
         self.agent_id = agent_id
         self.isolation = isolation or Isolation(level="none")
@@ -87,6 +103,9 @@ class AsyncSession:
         self._on_close = on_close
         self._state = Lifecycle(f"session {agent_id!r}", opened=True)
         self._current: RunOutcome | None = None  # the run in progress, for a cancellation
+        self._exposure = Exposure()  # host functions exposed to kernel code (code mode)
+        self._max_host_calls = max_host_calls
+        self._host: HostCalls | None = None  # the running run's host calls
 
     # -- public API -------------------------------------------------------------------------
 
@@ -124,6 +143,41 @@ class AsyncSession:
         """The file the recording is saved to after every run (None: not saved)."""
         return self._recorder.path if self._recorder is not None else None
 
+    async def expose(
+        self, *functions: Any, module: str = DEFAULT_MODULE, timeout: float | None = None
+    ) -> None:
+        """Make host functions importable by the session's code: ``from tools import search``.
+
+        Each may be a plain or ``async def`` function (or callable object), or a
+        :class:`~kernelexec.Tool` (its source is then run on the host). In the kernel it has its
+        signature and docstring; a call sends its arguments (JSON values only) to the host,
+        where they are checked against the function's parameters and the function runs (plain
+        functions in a worker thread) with the session's identity: a parameter named
+        ``agent_id`` gets the agent id, one named ``context`` a
+        :class:`~kernelexec.HostCallContext`.
+        An ``async def`` function is awaitable in the kernel (``asyncio.gather`` runs calls
+        together on the host). Errors arrive as ``HostCallError`` subclasses carrying the host's
+        message only. Calls are answered only while a run is in flight, at most
+        ``max_host_calls`` per run. Exposed modules stay for the session's life, on every
+        kernel it gets (restart, eviction, crash).
+
+        Args:
+            *functions: What to expose (added to what ``module`` already has).
+            module: The module name in the kernel (dotted names make packages).
+            timeout: Seconds one call of these functions may take on the host (None: bounded
+                by the run's own timeout only); past it the kernel gets ``HostCallTimeout``.
+
+        Raises:
+            ConfigError: a bad module name, or a function that cannot be exposed (no public
+                name, ``*args``/``**kwargs``/positional-only parameters).
+        """
+        async with self._lease.hold():
+            self._state.check()
+            self._exposure.add(functions, module, timeout)
+            conn = self._lease.connection
+            if conn is not None:
+                await self._install_codemode(conn, strict=True)
+
     async def run_code(
         self,
         code: str,
@@ -133,6 +187,7 @@ class AsyncSession:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: HostFunctions | None = None,
     ) -> Execution:
         """Run code in the session's kernel, like a notebook cell.
 
@@ -143,6 +198,8 @@ class AsyncSession:
             on_stdout: Called with each piece of stdout text as it arrives.
             on_stderr: Called with each piece of stderr text as it arrives.
             on_display: Called with each display_data output dict as it arrives.
+            host_functions: Host functions for this run only, as :meth:`expose` would make
+                them (a list: module ``tools``; or a dict of module name -> functions).
         """
         if not isinstance(code, str):
             raise TypeError(f"code must be str, not {type(code).__name__}")
@@ -150,13 +207,14 @@ class AsyncSession:
         problem = _env_problem(env_vars)
         if problem:
             raise TypeError(problem)
+        once = one_call(host_functions)
         request = protocol.code_request(code, env_vars)
         callbacks = Callbacks(on_stdout, on_stderr, on_display)
         async with self._lease.hold():
             self._state.check()
             started = now_iso()
             try:
-                result, report, generation = await self._execute(request, timeout, callbacks)
+                result, report, generation = await self._execute(request, timeout, callbacks, once)
             except asyncio.CancelledError:
                 self._raise_if_closed_under_us()
                 await finish_shielded(
@@ -171,7 +229,7 @@ class AsyncSession:
             )
             if problem is not None:
                 execution = execution.model_copy(update={"recording_error": problem})
-        return execution
+        return _without_host_call_outputs(execution) if self._recorder else execution
 
     async def call_tool(
         self,
@@ -184,6 +242,7 @@ class AsyncSession:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: HostFunctions | None = None,
     ) -> ToolResult:
         """Call a tool with JSON arguments; they are validated first and sent as data.
 
@@ -197,10 +256,13 @@ class AsyncSession:
             on_stdout: Called with each piece of stdout text as it arrives.
             on_stderr: Called with each piece of stderr text as it arrives.
             on_display: Called with each display_data output dict as it arrives.
+            host_functions: Host functions the tool may call, for this call only (see
+                :meth:`run_code`).
         """
         if not isinstance(tool, Tool):
             raise TypeError(f"tool must be a kernelexec.Tool, not {type(tool).__name__}")
         timeout = self._check_timeout(timeout)
+        once = one_call(host_functions)
         args = {} if args is None else args
         problems = tool.validate_args(args)
         problem = _env_problem(env_vars)
@@ -234,7 +296,9 @@ class AsyncSession:
                 )
                 callbacks = Callbacks(on_stdout, on_stderr, on_display)
                 try:
-                    fields, report, generation = await self._execute(request, timeout, callbacks)
+                    fields, report, generation = await self._execute(
+                        request, timeout, callbacks, once
+                    )
                 except asyncio.CancelledError:
                     self._raise_if_closed_under_us()
                     await finish_shielded(
@@ -267,7 +331,11 @@ class AsyncSession:
             return full
         # The return value was displayed only for the notebook; the result is the same whether
         # or not the session records.
-        outputs = [o for o in full.outputs if o.get("output_type") != "execute_result"]
+        outputs = [
+            o
+            for o in full.outputs
+            if o.get("output_type") != "execute_result" and not _is_host_call_output(o)
+        ]
         return full.model_copy(update={"outputs": outputs, "result": None})
 
     async def variables(self, timeout: float = 10.0) -> dict[str, dict[str, str]]:
@@ -292,6 +360,8 @@ class AsyncSession:
         conn = self._lease.connection
         if conn is not None:
             await conn.interrupt()
+        if self._host is not None:
+            self._host.interrupted()
 
     async def restart(self) -> None:
         """Replace the kernel with a fresh one now; all state is lost."""
@@ -353,7 +423,11 @@ class AsyncSession:
         return "; ".join(problems) or None
 
     async def _execute(
-        self, request: ExecuteRequest, timeout: float, callbacks: Callbacks
+        self,
+        request: ExecuteRequest,
+        timeout: float,
+        callbacks: Callbacks,
+        once: dict[str, dict[str, HostFunction]] | None = None,
     ) -> tuple[dict[str, Any], protocol.Report | None, int]:
         """Run ``request`` on the lease's kernel: the result's fields, the kernel side's
         report, and the number of the kernel that ran it."""
@@ -365,14 +439,15 @@ class AsyncSession:
             fields = _not_run(error)
             fields["duration_s"] = time.monotonic() - start
             return fields, None, self._lease.generation
-        out = await self._send(request, timeout, callbacks)
+        out, calls = await self._send(request, timeout, callbacks, once)
         if out.died and not out.started:
             # The kernel died before it saw the request (e.g. killed between calls): the
             # code never ran, so run it once on a fresh kernel.
             lost = (lost or []) + await self._lease.replace()
-            out = await self._send(request, timeout, callbacks)
+            out, calls = await self._send(request, timeout, callbacks, once)
         generation = self._lease.generation
         fields, report = await self._finish(out, timeout, lost)
+        fields["host_calls"] = calls
         fields["duration_s"] = time.monotonic() - start
         self._current = None  # the result owns its outputs now
         return fields, report, generation
@@ -426,26 +501,65 @@ class AsyncSession:
         )
 
     async def _send(
-        self, request: ExecuteRequest, timeout: float, callbacks: Callbacks
-    ) -> RunOutcome:
+        self,
+        request: ExecuteRequest,
+        timeout: float,
+        callbacks: Callbacks,
+        once: dict[str, dict[str, HostFunction]] | None,
+    ) -> tuple[RunOutcome, list[HostCall]]:
         conn = self._lease.connection
         assert conn is not None
         settings = self._lease.take_settings()
         if settings is not None:
             request = protocol.with_configure(request, settings)
+        self._current = RunOutcome()
+        if self._exposure.active or once:
+            await self._install_codemode(conn)
+            request = protocol.with_metadata(request, self._exposure.run_metadata(once))
+            self._host = HostCalls(
+                conn,
+                self._exposure.callable_in_run(once),
+                agent_id=self.agent_id,
+                max_calls=self._max_host_calls,
+                max_result_chars=self._max_result,
+                record=self._recorder is not None,
+                outputs=self._current.collected.outputs,
+            )
         if conn.serves_calls and protocol.is_tool_call(request):
             request = protocol.served(request)
-        self._current = RunOutcome()
-        return await run_request(
-            conn,
-            request,
-            timeout=timeout,
-            interrupt_grace=self._grace,
-            output_grace=self._output_grace,
-            max_output_chars=self._max_output,
-            callbacks=callbacks,
-            out=self._current,
-        )
+        host = self._host
+        try:
+            out = await run_request(
+                conn,
+                request,
+                timeout=timeout,
+                interrupt_grace=self._grace,
+                output_grace=self._output_grace,
+                max_output_chars=self._max_output,
+                callbacks=callbacks,
+                out=self._current,
+                host=host,
+            )
+        finally:
+            self._host = None
+            calls = await finish_shielded(host.finish()) if host is not None else []
+        return out, calls
+
+    async def _install_codemode(self, conn: KernelConnection, *, strict: bool = False) -> None:
+        """Install code mode's kernel half, with every exposed module, in a kernel that lacks
+        it (each new kernel of the session); then send the modules exposed since."""
+        generation = self._lease.generation
+        if self._exposure.installed_on(generation) and not strict:
+            return
+        out = await run_internal(conn, self._exposure.install_request(), self._timeout)
+        reply = out.reply or {}
+        if out.reply is None or reply.get("status") != "ok" or out.collected.error is not None:
+            why = str((out.collected.error or reply).get("evalue") or "no reply")
+            if strict:
+                raise ConfigError(f"the host functions could not be installed in the kernel: {why}")
+            log.warning("code mode could not be installed in the kernel: %s", why)
+            return
+        self._exposure.installed(generation)
 
     async def _finish(
         self, out: RunOutcome, timeout: float, lost: list[str] | None
@@ -539,6 +653,19 @@ def _account_outputs(collected: Collected, count: protocol.OutputCount | None) -
         else:
             outputs.append({"output_type": "stream", "name": "stdout", "text": text})
     return lost
+
+
+def _is_host_call_output(output: dict[str, Any]) -> bool:
+    return HOST_CALL_MIME in (output.get("data") or {})
+
+
+def _without_host_call_outputs(execution: Execution) -> Execution:
+    """A recorded run's result as an unrecorded one would be: host calls kept in
+    ``host_calls``, not among the outputs (they are there for the notebook)."""
+    outputs = [o for o in execution.outputs if not _is_host_call_output(o)]
+    if len(outputs) == len(execution.outputs):
+        return execution
+    return execution.model_copy(update={"outputs": outputs})
 
 
 def _not_run(error: ExecError) -> dict[str, Any]:

@@ -231,6 +231,13 @@ def with_configure(request: ExecuteRequest, settings: dict[str, Any]) -> Execute
     return dataclasses.replace(request, metadata=metadata)
 
 
+def with_metadata(request: ExecuteRequest, entries: dict[str, Any] | None) -> ExecuteRequest:
+    """``request`` with more top-level metadata ``entries`` (another part's own keys)."""
+    if not entries:
+        return request
+    return dataclasses.replace(request, metadata={**request.metadata, **entries})
+
+
 def read_report(reply: dict[str, Any]) -> Report | None:
     """The kernel side's report from an ``execute_reply`` (None when it has none)."""
     entry = (reply.get("user_expressions") or {}).get(kernel_side.REPORT_KEY) or {}

@@ -1,0 +1,233 @@
+"""``HostFunction``: one host callable (or ``kx.Tool``) that kernel code may call.
+
+Holds what the kernel needs to show it (name, signature, docstring, sync or async), what the
+host needs to check a call (a pydantic model of its parameters, or the tool's JSON schema), and
+how to run it: ``async def`` functions on the event loop, plain ones in a worker thread (a slow
+sync function on the loop would stall every session), each within its own timeout.
+
+A parameter named ``agent_id`` or ``context`` is filled in by kernelexec (the session's agent
+id, a :class:`~kernelexec.HostCallContext`); kernel code neither sees nor passes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, get_type_hints
+
+import pydantic
+import pydantic_core
+
+from kernelexec import _json
+from kernelexec._codemode._kernel_side import _EXPORTED
+from kernelexec._exceptions import ConfigError
+from kernelexec._models import HostCallContext
+from kernelexec._tools._tool import Tool
+
+INJECTED = ("agent_id", "context")
+"""Parameters kernelexec fills in; they are not part of what kernel code passes."""
+
+_SHAPES = {
+    inspect.Parameter.POSITIONAL_ONLY: "positional-only",
+    inspect.Parameter.VAR_POSITIONAL: "*args",
+    inspect.Parameter.VAR_KEYWORD: "**kwargs",
+}
+
+
+class ArgumentsRejected(Exception):
+    """The kernel's arguments do not fit the function (the message says which and why)."""
+
+
+class NotJSON(Exception):
+    """The host function returned something that is not a JSON value."""
+
+
+@dataclass(frozen=True, slots=True)
+class HostFunction:
+    """A host callable prepared for calls from kernel code."""
+
+    name: str
+    fn: Callable[..., Any]
+    signature: inspect.Signature  # without the injected parameters
+    injected: frozenset[str]
+    is_async: bool
+    timeout: float | None
+    model: type[pydantic.BaseModel] | None  # validates the arguments (None: a Tool's schema)
+    tool: Tool | None = None
+
+    @classmethod
+    def of(cls, target: Any, *, timeout: float | None) -> HostFunction:
+        """Prepare ``target`` (a function, a callable object or a :class:`~kernelexec.Tool`).
+
+        Raises:
+            ConfigError: it cannot be exposed (no name, ``*args``, a reserved name, ...).
+        """
+        tool = target if isinstance(target, Tool) else None
+        fn = _tool_function(target) if tool is not None else target
+        if not callable(fn):
+            raise ConfigError(f"cannot expose {target!r}: not a function or a kernelexec.Tool")
+        name = tool.name if tool is not None else getattr(fn, "__name__", "")
+        if not isinstance(name, str) or not name.isidentifier() or name.startswith("_"):
+            raise ConfigError(f"cannot expose {fn!r}: it needs a public identifier as its name")
+        if name in _EXPORTED:
+            raise ConfigError(f"cannot expose {name!r}: the name of an exception of code mode")
+        try:
+            full = inspect.signature(fn)
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"cannot expose {name!r}: no signature ({exc})") from None
+        for param in full.parameters.values():
+            if param.kind in _SHAPES:
+                raise ConfigError(
+                    f"cannot expose {name!r}: {_SHAPES[param.kind]} parameter {param.name!r} "
+                    "(kernel code passes JSON arguments by name)"
+                )
+        injected = frozenset(p for p in full.parameters if p in INJECTED)
+        visible = [p for p in full.parameters.values() if p.name not in injected]
+        if tool is not None and tool.takes_agent_state:
+            raise ConfigError(f"cannot expose tool {name!r}: it takes agent_state")
+        call = getattr(fn, "__call__", None)  # noqa: B004 (an async __call__ counts too)
+        is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
+        return cls(
+            name=name,
+            fn=fn,
+            signature=full.replace(parameters=visible),
+            injected=injected,
+            is_async=is_async,
+            timeout=timeout,
+            model=None if tool is not None else _arguments_model(name, fn, visible),
+            tool=tool,
+        )
+
+    def spec(self) -> dict[str, Any]:
+        """What the kernel builds the stub from: name, docstring, parameters, async."""
+        params = []
+        for p in self.signature.parameters.values():
+            entry: dict[str, Any] = {"name": p.name}
+            if p.kind is inspect.Parameter.KEYWORD_ONLY:
+                entry["keyword_only"] = True
+            if p.annotation is not inspect.Parameter.empty:
+                entry["annotation"] = _annotation_text(p.annotation)
+            if p.default is not inspect.Parameter.empty:
+                if _json.problem(p.default, p.name) is None:
+                    entry["default"] = _json.dumps(p.default)
+                else:
+                    entry["default_repr"] = repr(p.default)
+            params.append(entry)
+        spec: dict[str, Any] = {
+            "name": self.name,
+            "doc": inspect.getdoc(self.fn) or (self.tool.description if self.tool else ""),
+            "params": params,
+            "async": self.is_async,
+        }
+        if self.signature.return_annotation is not inspect.Signature.empty:
+            spec["returns"] = _annotation_text(self.signature.return_annotation)
+        return spec
+
+    def check(self, args: Any) -> dict[str, Any]:
+        """The arguments to call with, validated; raises :class:`ArgumentsRejected`."""
+        if not isinstance(args, dict):
+            raise ArgumentsRejected(f"{self.name}(): arguments must be a JSON object")
+        if self.tool is not None:
+            problems = self.tool.validate_args(args)
+            if problems:
+                raise ArgumentsRejected(f"{self.name}(): " + "; ".join(problems))
+            return args
+        assert self.model is not None
+        try:
+            model = self.model.model_validate(args)
+        except pydantic.ValidationError as exc:
+            raise ArgumentsRejected(f"{self.name}(): {_problems(exc)}") from None
+        return {key: getattr(model, key) for key in args}
+
+    async def run(self, args: dict[str, Any], context: HostCallContext) -> Any:
+        """Call the function (within its own timeout; ``TimeoutError`` past it)."""
+        kwargs = dict(args)
+        if "agent_id" in self.injected:
+            kwargs["agent_id"] = context.agent_id
+        if "context" in self.injected:
+            kwargs["context"] = context
+        if self.is_async:
+            work: Any = self.fn(**kwargs)
+        else:
+            work = asyncio.to_thread(functools.partial(self.fn, **kwargs))
+        if self.timeout is None:
+            return await work
+        return await asyncio.wait_for(work, self.timeout)
+
+
+def result_text(value: Any, limit: int) -> str:
+    """The JSON text of a host function's return value; :class:`NotJSON` when it has none.
+
+    JSON values cross as they are; pydantic models, dataclasses, dates and the like as
+    pydantic dumps them in JSON mode. Anything else is refused, never pickled or repr'd.
+    """
+    if _json.problem(value, "return") is not None:
+        try:
+            value = pydantic_core.to_jsonable_python(value)
+        except (pydantic_core.PydanticSerializationError, ValueError, TypeError):
+            raise NotJSON(f"returned a {type(value).__name__}, which is not a JSON value") from None
+    try:
+        text = _json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (ValueError, TypeError) as exc:
+        raise NotJSON(f"returned a value that is not JSON: {exc}") from None
+    if len(text) > limit:
+        raise NotJSON(f"returned {len(text)} characters of JSON; the limit is {limit}")
+    return text
+
+
+def _tool_function(tool: Tool) -> Callable[..., Any]:
+    """The tool's function, defined on the host from its source (once per expose)."""
+    namespace: dict[str, Any] = {"__name__": f"kernelexec_host_tool_{tool.name}"}
+    try:
+        exec(compile(tool.source_code, f"<kernelexec host tool {tool.name}>", "exec"), namespace)
+    except Exception as exc:
+        raise ConfigError(f"cannot expose tool {tool.name!r}: its source failed: {exc}") from exc
+    fn = namespace.get(tool.name)
+    if not callable(fn):
+        raise ConfigError(f"cannot expose tool {tool.name!r}: its source defines no such function")
+    return fn  # type: ignore[no-any-return]
+
+
+def _arguments_model(
+    name: str, fn: Callable[..., Any], params: list[inspect.Parameter]
+) -> type[pydantic.BaseModel]:
+    try:
+        hints = get_type_hints(fn)
+    except Exception:
+        hints = {}
+    fields: dict[str, Any] = {}
+    for p in params:
+        annotation = hints.get(p.name, Any)
+        default = ... if p.default is inspect.Parameter.empty else p.default
+        fields[p.name] = (annotation, default)
+    config = pydantic.ConfigDict(extra="forbid", arbitrary_types_allowed=True)
+    try:
+        return pydantic.create_model(f"{name}_arguments", __config__=config, **fields)
+    except Exception as exc:
+        raise ConfigError(
+            f"cannot expose {name!r}: its parameters have no schema ({exc})"
+        ) from None
+
+
+def _problems(exc: pydantic.ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        where = ".".join(str(p) for p in error["loc"])
+        if error["type"] == "missing":
+            parts.append(f"missing required argument {where!r}")
+        elif error["type"] == "extra_forbidden":
+            parts.append(f"unexpected argument {where!r}")
+        else:
+            parts.append(f"argument {where!r}: {error['msg']}")
+    return "; ".join(parts)
+
+
+def _annotation_text(annotation: Any) -> str:
+    if isinstance(annotation, str):
+        return annotation
+    if isinstance(annotation, type) and annotation.__module__ == "builtins":
+        return annotation.__qualname__
+    return inspect.formatannotation(annotation)
