@@ -53,7 +53,10 @@ class ExecutorConfig(BaseModel):
         idle_timeout: Seconds after which an idle session's kernel is shut down (None: never).
         max_output_chars: Characters of stdout+stderr kept per run; the rest is dropped with a
             marker.
-        max_result_chars: Largest tool return value, in characters of JSON.
+        max_result_chars: Largest tool return value, in characters of JSON (also the largest
+            answer of a host function to kernel code).
+        max_host_calls: Calls one run's code may make to host functions (code mode); later
+            calls get ``HostCallLimitExceeded``.
         workdir: Directory under which each session gets its working directory (default: a
             private temporary directory removed on close).
         record: Record every run of every session as a notebook cell (``Session.notebook``).
@@ -94,6 +97,7 @@ class ExecutorConfig(BaseModel):
     idle_timeout: float | None = Field(None, gt=0)
     max_output_chars: int = Field(1_000_000, ge=100)
     max_result_chars: int = Field(10_000_000, ge=100)
+    max_host_calls: int = Field(1000, ge=1)
     workdir: Path | None = None
     record: bool = False
     env: Env = Field(default_factory=LocalEnv)

@@ -318,6 +318,7 @@ class AsyncKernelExecutor:
             output_grace=cfg.output_grace,
             max_output_chars=cfg.max_output_chars,
             max_result_chars=cfg.max_result_chars,
+            max_host_calls=cfg.max_host_calls,
             recorder=recorder,
             isolation=self.isolation_of(env),
             observers=(registration,) if registration is not None else (),
