@@ -66,7 +66,8 @@ class HostCalls:
         self._max_result = max_result_chars
         self._record = record
         self._outputs = outputs
-        self._seen: set[str] = set()
+        self._seen: set[str] = set()  # ids of the calls within the limit
+        self._count = 0  # calls taken (forged repeats aside)
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._slots = asyncio.Semaphore(_MAX_IN_FLIGHT)
         self._ended = False
@@ -82,22 +83,25 @@ class HostCalls:
             return True  # nothing to answer to (or nobody to answer)
         if call_id in self._seen:
             return True  # a forged repeat: the first call with this id keeps its answer
-        self._seen.add(call_id)
-        if len(self._seen) > 2 * self._max_calls:
-            return True  # a flood past the limit: not even refused any more
+        self._count += 1
         module, name = content.get("module"), content.get("name")
-        function = None
-        if isinstance(module, str) and isinstance(name, str):
-            function = (self._exposed.get(module) or {}).get(name)
         label = (str(module), str(name))
-        if function is None:
-            self._answer_now(call_id, label, "refused", f"{module}.{name} is not exposed")
-        elif len(self._seen) > self._max_calls:
+        if self._count > self._max_calls:
+            # Refused at once; past twice the limit no longer kept either (a flood must not
+            # grow the result), and ids need no tracking: nothing of them will run.
             message = (
                 f"this run made more than {self._max_calls} host calls (the per-run limit, "
                 "max_host_calls)"
             )
-            self._answer_now(call_id, label, "refused", message, kind="limit")
+            keep = self._count <= 2 * self._max_calls
+            self._answer_now(call_id, label, "refused", message, kind="limit", keep=keep)
+            return True
+        self._seen.add(call_id)
+        function = None
+        if isinstance(module, str) and isinstance(name, str):
+            function = (self._exposed.get(module) or {}).get(name)
+        if function is None:
+            self._answer_now(call_id, label, "refused", f"{module}.{name} is not exposed")
         else:
             task = asyncio.ensure_future(self._serve(call_id, label, function, content))
             self._tasks[call_id] = task
@@ -177,8 +181,10 @@ class HostCalls:
         message: str,
         *,
         kind: str | None = None,
+        keep: bool = True,
     ) -> None:
-        self._keep(label, None, time.monotonic(), outcome, error=message)
+        if keep:
+            self._keep(label, None, time.monotonic(), outcome, error=message)
         task = asyncio.ensure_future(self._reply(call_id, kind or outcome, message))
         self._tasks[call_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(call_id, None))
