@@ -4,7 +4,9 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -242,19 +244,28 @@ def test_host_function_timeout(executor: kx.KernelExecutor) -> None:
         finally:
             cancelled.set()
 
+    def upstream() -> None:
+        """Times out on its own (no timeout configured)."""
+        raise TimeoutError("the upstream service timed out")
+
     s = executor.session("codemode-own-timeout")
     s.expose(stall, timeout=0.3)
+    s.expose(upstream)
     out = run(
         s,
-        "from tools import stall, HostCallTimeout\n"
-        "try:\n"
-        "    await stall()\n"
-        "except HostCallTimeout as e:\n"
-        "    print(isinstance(e, TimeoutError), e)\n",
+        "from tools import stall, upstream, HostCallTimeout\n"
+        "for call in (stall, upstream):\n"
+        "    try:\n"
+        "        await call() if call is stall else call()\n"
+        "    except HostCallTimeout as e:\n"
+        "        print(isinstance(e, TimeoutError), e)\n",
     )
-    assert out.stdout.strip() == "True stall() took longer than its timeout of 0.3 s"
+    assert out.stdout.splitlines() == [
+        "True stall() took longer than its timeout of 0.3 s",
+        "True the upstream service timed out",
+    ]
     assert cancelled.is_set()
-    assert out.host_calls[0].outcome == "timeout"
+    assert [c.outcome for c in out.host_calls] == ["timeout", "timeout"]
 
 
 @pytest.mark.parametrize("awaited", [True, False])
@@ -476,3 +487,30 @@ def test_recording_keeps_each_host_call() -> None:
     assert records[0]["result"] == [{"query": "rec", "rank": 0}]
     assert records[1]["error"] == "ValueError: nope"
     assert all(r["duration_s"] >= 0 for r in records)
+
+
+def test_replay_answers_host_calls_as_recorded_or_reruns_them(tmp_path: Path) -> None:
+    numbers = itertools.count(100)
+
+    def ticket(kind: str, urgent: bool = False) -> int:
+        """A new ticket number (never the same twice)."""
+        return next(numbers)
+
+    with kx.KernelExecutor(record_dir=tmp_path, default_timeout=30) as ex:
+        s = ex.session("codemode-replay")
+        s.expose(ticket, fail)
+        run(s, "from tools import ticket, fail\nprint(ticket('a'), ticket(kind='b', urgent=True))")
+        run(
+            s,
+            "try:\n    fail('gone')\n"
+            "except Exception as e:\n    print(type(e).__name__, e.host_type, e)",
+        )
+    path = tmp_path / "codemode-replay.ipynb"
+    report = kx.replay(path)
+    assert report.ok, report.differences  # the stubs answered 100, 101 and the error again
+    assert report.cells_run == 2
+    numbers = itertools.count(500)
+    rerun = kx.replay(path, host_functions=[ticket, fail])
+    assert [d.index for d in rerun.differences] == [0]
+    assert "-[stdout] 100 101" in rerun.differences[0].diff
+    assert "+[stdout] 500 501" in rerun.differences[0].diff

@@ -20,7 +20,13 @@ from collections.abc import Mapping
 from typing import Any
 
 from kernelexec import _json
-from kernelexec._codemode._functions import ArgumentsRejected, HostFunction, NotJSON, result_text
+from kernelexec._codemode._functions import (
+    ArgumentsRejected,
+    CallTimedOut,
+    HostFunction,
+    NotJSON,
+    result_text,
+)
 from kernelexec._codemode._kernel_side import HOST_CALL, HOST_REPLY
 from kernelexec._models import HostCall, HostCallContext, HostCallOutcome
 from kernelexec.backends._base import KernelConnection, KernelMessage
@@ -157,7 +163,7 @@ class HostCalls:
         except ArgumentsRejected as exc:
             self._keep(label, arguments, start, "invalid_args", error=str(exc))
             await self._reply(call_id, "invalid_args", str(exc))
-        except TimeoutError:
+        except CallTimedOut:
             why = f"{label[1]}() took longer than its timeout of {function.timeout:g} s"
             self._keep(label, arguments, start, "timeout", error=why)
             await self._reply(call_id, "timeout", why)
@@ -165,6 +171,10 @@ class HostCalls:
             why = f"{label[1]}() {exc}"
             self._keep(label, arguments, start, "error", error=why)
             await self._reply(call_id, "error", why, host_type="NotJSON")
+        except TimeoutError as exc:  # the function's own: the kernel gets HostCallTimeout too
+            why = f"{type(exc).__name__}: {exc}"
+            self._keep(label, arguments, start, "timeout", error=why)
+            await self._reply(call_id, "timeout", str(exc) or why)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
             self._keep(label, arguments, start, "error", error=why)

@@ -45,6 +45,11 @@ class NotJSON(Exception):
     """The host function returned something that is not a JSON value."""
 
 
+class CallTimedOut(Exception):
+    """The call took longer than the function's own timeout (a ``TimeoutError`` the function
+    raised itself is its own error, not this)."""
+
+
 @dataclass(frozen=True, slots=True)
 class HostFunction:
     """A host callable prepared for calls from kernel code."""
@@ -143,7 +148,7 @@ class HostFunction:
         return {key: getattr(model, key) for key in args}
 
     async def run(self, args: dict[str, Any], context: HostCallContext) -> Any:
-        """Call the function (within its own timeout; ``TimeoutError`` past it)."""
+        """Call the function (within its own timeout; :class:`CallTimedOut` past it)."""
         kwargs = dict(args)
         if "agent_id" in self.injected:
             kwargs["agent_id"] = context.agent_id
@@ -155,7 +160,15 @@ class HostFunction:
             work = asyncio.to_thread(functools.partial(self.fn, **kwargs))
         if self.timeout is None:
             return await work
-        return await asyncio.wait_for(work, self.timeout)
+        task = asyncio.ensure_future(work)
+        try:
+            done, _ = await asyncio.wait({task}, timeout=self.timeout)
+        finally:
+            if not task.done():
+                task.cancel()
+        if not done:
+            raise CallTimedOut
+        return task.result()
 
 
 def result_text(value: Any, limit: int) -> str:
