@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from kernelexec._codemode._exposure import HostFunctions
 from kernelexec._core._executor import DEFAULT_AGENT, AsyncKernelExecutor
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._session import AsyncSession
@@ -125,7 +126,7 @@ class Session:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
-        host_functions: Any = None,
+        host_functions: HostFunctions | None = None,
     ) -> Execution:
         """Run code in the session's kernel; see :meth:`AsyncSession.run_code`."""
         return self._portal.call(
@@ -150,7 +151,7 @@ class Session:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
-        host_functions: Any = None,
+        host_functions: HostFunctions | None = None,
     ) -> ToolResult:
         """Call a tool; see :meth:`AsyncSession.call_tool`."""
         return self._portal.call(
@@ -275,6 +276,7 @@ class KernelExecutor:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: HostFunctions | None = None,
     ) -> ToolResult:
         """Call a tool; see :meth:`AsyncKernelExecutor.call_tool`."""
         return self._portal.call(
@@ -289,6 +291,7 @@ class KernelExecutor:
             on_stdout=on_stdout,
             on_stderr=on_stderr,
             on_display=on_display,
+            host_functions=host_functions,
         )
 
     def run_code(
@@ -302,6 +305,7 @@ class KernelExecutor:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: HostFunctions | None = None,
     ) -> Execution:
         """Run code; see :meth:`AsyncKernelExecutor.run_code`."""
         return self._portal.call(
@@ -314,6 +318,7 @@ class KernelExecutor:
             on_stdout=on_stdout,
             on_stderr=on_stderr,
             on_display=on_display,
+            host_functions=host_functions,
         )
 
     def close(self) -> None:

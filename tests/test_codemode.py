@@ -431,6 +431,13 @@ def test_host_functions_for_one_call(executor: kx.KernelExecutor) -> None:
     assert result.ok, result.error
     assert result.func_return == 12
     assert [c.module for c in result.host_calls] == ["kb"]
+    # The executor's shortcuts take them too.
+    out = executor.run_code(
+        "from tools import secret_word\nprint(secret_word())",
+        agent_id="codemode-once-executor",
+        host_functions=[secret_word],
+    )
+    assert out.stdout == "swordfish\n"
 
 
 def test_a_tool_exposed_runs_on_the_host(executor: kx.KernelExecutor) -> None:

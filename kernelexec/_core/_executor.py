@@ -11,6 +11,7 @@ from collections import OrderedDict
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
+from kernelexec._codemode._exposure import HostFunctions
 from kernelexec._config import ExecutorConfig, make_config
 from kernelexec._core._attach import SessionRegistration
 from kernelexec._core._budget import KernelBudget
@@ -402,6 +403,7 @@ class AsyncKernelExecutor:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: HostFunctions | None = None,
     ) -> ToolResult:
         """Call a tool in the session of ``agent_id``; see :meth:`AsyncSession.call_tool`.
 
@@ -420,6 +422,7 @@ class AsyncKernelExecutor:
             on_stdout=on_stdout,
             on_stderr=on_stderr,
             on_display=on_display,
+            host_functions=host_functions,
         )
 
     async def run_code(
@@ -433,6 +436,7 @@ class AsyncKernelExecutor:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: HostFunctions | None = None,
     ) -> Execution:
         """Run code in the session of ``agent_id`` (in ``env``, default: the executor's);
         see :meth:`AsyncSession.run_code`."""
@@ -444,6 +448,7 @@ class AsyncKernelExecutor:
             on_stdout=on_stdout,
             on_stderr=on_stderr,
             on_display=on_display,
+            host_functions=host_functions,
         )
 
     async def aclose(self) -> None:
