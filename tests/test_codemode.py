@@ -417,6 +417,8 @@ def test_host_functions_for_one_call(executor: kx.KernelExecutor) -> None:
     assert out.stdout == "swordfish\n"
     after = s.run_code("import tools")
     assert after.error is not None and after.error.ename == "ModuleNotFoundError"
+    kept = run(s, "try:\n    secret_word()\nexcept Exception as e:\n    print(type(e).__name__, e)")
+    assert kept.stdout == "HostCallRefused tools.secret_word is not exposed\n"
     # A persistent module keeps its functions; one call's extras come and go.
     s.expose(search)
     run(s, "import tools\nprint(tools.secret_word())", host_functions=[secret_word])

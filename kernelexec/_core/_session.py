@@ -513,7 +513,9 @@ class AsyncSession:
         if settings is not None:
             request = protocol.with_configure(request, settings)
         self._current = RunOutcome()
-        if self._exposure.active or once:
+        if self._exposure.active or once or self._exposure.installed_on(self._lease.generation):
+            # Once installed, every run answers host calls (refusing what is not exposed), so
+            # a stub kept from an earlier run's functions fails at once instead of waiting.
             await self._install_codemode(conn)
             request = protocol.with_metadata(request, self._exposure.run_metadata(once))
             self._host = HostCalls(
