@@ -26,6 +26,7 @@ from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
+from kernelexec._core._traced import traced_call
 from kernelexec._exceptions import ConfigError, EnvSetupError, ExecutorClosedError
 from kernelexec._models import (
     ExecError,
@@ -43,6 +44,8 @@ from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelConnection
 
 log = logging.getLogger("kernelexec")
+
+log = logging.getLogger("kernelexec.kernel")
 
 
 class RunObserver(Protocol):
@@ -82,9 +85,12 @@ class AsyncSession:
         observers: tuple[RunObserver, ...] = (),
         on_close: Callable[[AsyncSession], Awaitable[None]] | None = None,
         isolation: Isolation | None = None,
+        backend: str = "local",
         max_host_calls: int = 1000,
     ) -> None:
         self.agent_id = agent_id
+        self.backend = backend
+        """The name of the backend running the session's kernels (``local``, ``gateway``)."""
         self.isolation = isolation or Isolation(level="none")
         """What is in force for this session's kernel: ``.level``, and per limit and per
         boundary the mechanism that enforces it (see :class:`kernelexec.Isolation`)."""
@@ -178,6 +184,7 @@ class AsyncSession:
             if conn is not None:
                 await self._install_codemode(conn, strict=True)
 
+    @traced_call("run_code")
     async def run_code(
         self,
         code: str,
@@ -231,6 +238,7 @@ class AsyncSession:
                 execution = execution.model_copy(update={"recording_error": problem})
         return _without_host_call_outputs(execution) if self._recorder else execution
 
+    @traced_call("call_tool")
     async def call_tool(
         self,
         tool: Tool,
@@ -368,6 +376,7 @@ class AsyncSession:
         async with self._lease.hold():
             self._state.check()
             if self._lease.has_kernel:
+                log.info("agent %r: kernel restarted on request", self.agent_id)
                 await self._lease.lose_state()
 
     async def aclose(self) -> None:
@@ -593,6 +602,7 @@ class AsyncSession:
                 why = "the code asked the kernel to exit; a fresh kernel replaces it"
                 error = ExecError(kind="kernel_died", ename="KernelExited", evalue=why)
             restarted = True
+            log.warning("agent %r: %s", self.agent_id, why)
             lost_names += await self._lease.replace()
         else:
             report = protocol.read_report(reply)
