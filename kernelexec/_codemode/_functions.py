@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import inspect
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, get_type_hints
 
@@ -60,8 +60,11 @@ class HostFunction:
     injected: frozenset[str]
     is_async: bool
     timeout: float | None
-    model: type[pydantic.BaseModel] | None  # validates the arguments (None: a Tool's schema)
+    model: type[pydantic.BaseModel] | None  # validates the arguments (else ``validate``)
     tool: Tool | None = None
+    validate: Callable[[dict[str, Any]], list[str]] | None = None  # JSON-schema problems
+    doc: str = ""
+    awaitable_in_kernel: bool | None = None  # None: as the host function is (async or not)
 
     @classmethod
     def of(cls, target: Any, *, timeout: float | None) -> HostFunction:
@@ -70,6 +73,8 @@ class HostFunction:
         Raises:
             ConfigError: it cannot be exposed (no name, ``*args``, a reserved name, ...).
         """
+        if isinstance(target, HostFunction):
+            return target  # prepared already (another MCP server's tool)
         tool = target if isinstance(target, Tool) else None
         fn = _tool_function(target) if tool is not None else target
         if not callable(fn):
@@ -104,6 +109,63 @@ class HostFunction:
             timeout=timeout,
             model=None if tool is not None else _arguments_model(name, fn, visible),
             tool=tool,
+            validate=tool.validate_args if tool is not None else None,
+        )
+
+    @classmethod
+    def from_schema(
+        cls,
+        name: str,
+        description: str,
+        schema: dict[str, Any],
+        call: Callable[[dict[str, Any]], Awaitable[Any]],
+        *,
+        timeout: float | None,
+    ) -> HostFunction:
+        """A function known by its JSON schema only (another MCP server's tool): its kernel
+        signature comes from the schema's properties (required ones first), its arguments are
+        checked against the schema, and ``call`` gets them as one dict. In the kernel it is a
+        plain function (code calls it without ``await``; threads call several at once).
+
+        Raises:
+            ConfigError: ``name`` is not an identifier, or the schema is not valid.
+        """
+        if not name.isidentifier() or name.startswith("_") or name in _EXPORTED:
+            raise ConfigError(f"cannot expose {name!r}: it needs a public identifier as its name")
+        validate = schema_validator(schema)
+        properties = schema.get("properties") or {}
+        required = [p for p in schema.get("required") or [] if p in properties]
+        params = []
+        for key in [*required, *(p for p in properties if p not in required)]:
+            if not key.isidentifier():
+                raise ConfigError(f"cannot expose {name!r}: parameter {key!r} is not a name")
+            spec = properties[key] if isinstance(properties[key], dict) else {}
+            default = inspect.Parameter.empty if key in required else spec.get("default")
+            annotation = _schema_type(spec)
+            params.append(
+                inspect.Parameter(
+                    key,
+                    inspect.Parameter.POSITIONAL_OR_KEYWORD,
+                    default=default,
+                    annotation=annotation or inspect.Parameter.empty,
+                )
+            )
+
+        async def fn(**kwargs: Any) -> Any:
+            return await call(kwargs)
+
+        fn.__name__ = fn.__qualname__ = name
+        return cls(
+            name=name,
+            fn=fn,
+            signature=inspect.Signature(params),
+            injected=frozenset(),
+            is_async=True,
+            timeout=timeout,
+            model=None,
+            validate=validate,
+            doc=description,
+            awaitable_in_kernel=False,
         )
 
     def spec(self) -> dict[str, Any]:
@@ -123,9 +185,13 @@ class HostFunction:
             params.append(entry)
         spec: dict[str, Any] = {
             "name": self.name,
-            "doc": inspect.getdoc(self.fn) or (self.tool.description if self.tool else ""),
+            "doc": self.doc
+            or inspect.getdoc(self.fn)
+            or (self.tool.description if self.tool else ""),
             "params": params,
-            "async": self.is_async,
+            "async": self.is_async
+            if self.awaitable_in_kernel is None
+            else self.awaitable_in_kernel,
         }
         if self.signature.return_annotation is not inspect.Signature.empty:
             spec["returns"] = _annotation_text(self.signature.return_annotation)
@@ -135,8 +201,8 @@ class HostFunction:
         """The arguments to call with, validated; raises :class:`ArgumentsRejected`."""
         if not isinstance(args, dict):
             raise ArgumentsRejected(f"{self.name}(): arguments must be a JSON object")
-        if self.tool is not None:
-            problems = self.tool.validate_args(args)
+        if self.validate is not None:
+            problems = self.validate(args)
             if problems:
                 raise ArgumentsRejected(f"{self.name}(): " + "; ".join(problems))
             return args
@@ -189,6 +255,29 @@ def result_text(value: Any, limit: int) -> str:
     if len(text) > limit:
         raise NotJSON(f"returned {len(text)} characters of JSON; the limit is {limit}")
     return text
+
+
+def schema_validator(schema: dict[str, Any]) -> Callable[[dict[str, Any]], list[str]]:
+    """A check of arguments against a JSON schema, as a :class:`~kernelexec.Tool` checks."""
+    return Tool(name="schema", source_code="", json_schema={"parameters": schema}).validate_args
+
+
+def _schema_type(spec: dict[str, Any]) -> str:
+    kind = spec.get("type")
+    names = {
+        "string": "str",
+        "integer": "int",
+        "number": "float",
+        "boolean": "bool",
+        "array": "list",
+        "object": "dict",
+        "null": "None",
+    }
+    if isinstance(kind, str):
+        return names.get(kind, "")
+    if isinstance(kind, list):
+        return " | ".join(names.get(k, "Any") for k in kind if isinstance(k, str))
+    return ""
 
 
 def _tool_function(tool: Tool) -> Callable[..., Any]:
