@@ -18,16 +18,20 @@ from typing import Any, Literal, Protocol
 from nbformat import NotebookNode
 
 from kernelexec._aio import finish_shielded
-from kernelexec._codemode._calls import HOST_CALL_MIME, HostCalls
-from kernelexec._codemode._exposure import DEFAULT_MODULE, Exposure, HostFunctions, one_call
-from kernelexec._codemode._functions import HostFunction
+from kernelexec._codemode._exposure import DEFAULT_MODULE, HostFunctions, one_call
 from kernelexec._config import valid_timeout
+from kernelexec._core._hostcalls import (
+    OneCall,
+    SessionCodeMode,
+    is_host_call_output,
+    without_host_call_outputs,
+)
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._traced import traced_call
-from kernelexec._exceptions import ConfigError, EnvSetupError, ExecutorClosedError
+from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
 from kernelexec._models import (
     ExecError,
     Execution,
@@ -41,9 +45,6 @@ from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import ExecuteRequest
 from kernelexec._tools._tool import Tool
-from kernelexec.backends._base import KernelConnection
-
-log = logging.getLogger("kernelexec")
 
 log = logging.getLogger("kernelexec.kernel")
 
@@ -109,9 +110,12 @@ class AsyncSession:
         self._on_close = on_close
         self._state = Lifecycle(f"session {agent_id!r}", opened=True)
         self._current: RunOutcome | None = None  # the run in progress, for a cancellation
-        self._exposure = Exposure()  # host functions exposed to kernel code (code mode)
-        self._max_host_calls = max_host_calls
-        self._host: HostCalls | None = None  # the running run's host calls
+        self._codemode = SessionCodeMode(
+            agent_id,
+            max_calls=max_host_calls,
+            max_result_chars=max_result_chars,
+            install_timeout=default_timeout,
+        )
 
     # -- public API -------------------------------------------------------------------------
 
@@ -179,10 +183,10 @@ class AsyncSession:
         """
         async with self._lease.hold():
             self._state.check()
-            self._exposure.add(functions, module, timeout)
+            self._codemode.add(functions, module, timeout)
             conn = self._lease.connection
             if conn is not None:
-                await self._install_codemode(conn, strict=True)
+                await self._codemode.install(conn, self._lease.generation, strict=True)
 
     @traced_call("run_code")
     async def run_code(
@@ -236,7 +240,7 @@ class AsyncSession:
             )
             if problem is not None:
                 execution = execution.model_copy(update={"recording_error": problem})
-        return _without_host_call_outputs(execution) if self._recorder else execution
+        return without_host_call_outputs(execution) if self._recorder else execution
 
     @traced_call("call_tool")
     async def call_tool(
@@ -342,7 +346,7 @@ class AsyncSession:
         outputs = [
             o
             for o in full.outputs
-            if o.get("output_type") != "execute_result" and not _is_host_call_output(o)
+            if o.get("output_type") != "execute_result" and not is_host_call_output(o)
         ]
         return full.model_copy(update={"outputs": outputs, "result": None})
 
@@ -368,8 +372,7 @@ class AsyncSession:
         conn = self._lease.connection
         if conn is not None:
             await conn.interrupt()
-        if self._host is not None:
-            self._host.interrupted()
+        self._codemode.interrupted()
 
     async def restart(self) -> None:
         """Replace the kernel with a fresh one now; all state is lost."""
@@ -436,7 +439,7 @@ class AsyncSession:
         request: ExecuteRequest,
         timeout: float,
         callbacks: Callbacks,
-        once: dict[str, dict[str, HostFunction]] | None = None,
+        once: OneCall | None = None,
     ) -> tuple[dict[str, Any], protocol.Report | None, int]:
         """Run ``request`` on the lease's kernel: the result's fields, the kernel side's
         report, and the number of the kernel that ran it."""
@@ -514,7 +517,7 @@ class AsyncSession:
         request: ExecuteRequest,
         timeout: float,
         callbacks: Callbacks,
-        once: dict[str, dict[str, HostFunction]] | None,
+        once: OneCall | None,
     ) -> tuple[RunOutcome, list[HostCall]]:
         conn = self._lease.connection
         assert conn is not None
@@ -522,23 +525,16 @@ class AsyncSession:
         if settings is not None:
             request = protocol.with_configure(request, settings)
         self._current = RunOutcome()
-        if self._exposure.active or once or self._exposure.installed_on(self._lease.generation):
-            # Once installed, every run answers host calls (refusing what is not exposed), so
-            # a stub kept from an earlier run's functions fails at once instead of waiting.
-            await self._install_codemode(conn)
-            request = protocol.with_metadata(request, self._exposure.run_metadata(once))
-            self._host = HostCalls(
-                conn,
-                self._exposure.callable_in_run(once),
-                agent_id=self.agent_id,
-                max_calls=self._max_host_calls,
-                max_result_chars=self._max_result,
-                record=self._recorder is not None,
-                outputs=self._current.collected.outputs,
-            )
+        request, host = await self._codemode.start_run(
+            conn,
+            self._lease.generation,
+            request,
+            once,
+            record=self._recorder is not None,
+            outputs=self._current.collected.outputs,
+        )
         if conn.serves_calls and protocol.is_tool_call(request):
             request = protocol.served(request)
-        host = self._host
         try:
             out = await run_request(
                 conn,
@@ -552,25 +548,8 @@ class AsyncSession:
                 host=host,
             )
         finally:
-            self._host = None
-            calls = await finish_shielded(host.finish()) if host is not None else []
+            calls = await finish_shielded(self._codemode.end_run(host))
         return out, calls
-
-    async def _install_codemode(self, conn: KernelConnection, *, strict: bool = False) -> None:
-        """Install code mode's kernel half, with every exposed module, in a kernel that lacks
-        it (each new kernel of the session); then send the modules exposed since."""
-        generation = self._lease.generation
-        if self._exposure.installed_on(generation) and not strict:
-            return
-        out = await run_internal(conn, self._exposure.install_request(), self._timeout)
-        reply = out.reply or {}
-        if out.reply is None or reply.get("status") != "ok" or out.collected.error is not None:
-            why = str((out.collected.error or reply).get("evalue") or "no reply")
-            if strict:
-                raise ConfigError(f"the host functions could not be installed in the kernel: {why}")
-            log.warning("code mode could not be installed in the kernel: %s", why)
-            return
-        self._exposure.installed(generation)
 
     async def _finish(
         self, out: RunOutcome, timeout: float, lost: list[str] | None
@@ -665,19 +644,6 @@ def _account_outputs(collected: Collected, count: protocol.OutputCount | None) -
         else:
             outputs.append({"output_type": "stream", "name": "stdout", "text": text})
     return lost
-
-
-def _is_host_call_output(output: dict[str, Any]) -> bool:
-    return HOST_CALL_MIME in (output.get("data") or {})
-
-
-def _without_host_call_outputs(execution: Execution) -> Execution:
-    """A recorded run's result as an unrecorded one would be: host calls kept in
-    ``host_calls``, not among the outputs (they are there for the notebook)."""
-    outputs = [o for o in execution.outputs if not _is_host_call_output(o)]
-    if len(outputs) == len(execution.outputs):
-        return execution
-    return execution.model_copy(update={"outputs": outputs})
 
 
 def _not_run(error: ExecError) -> dict[str, Any]:
