@@ -6,11 +6,11 @@ The async core is :class:`AsyncKernelExecutor` / :class:`AsyncSession`; :class:`
 :class:`KernelExecError`.
 """
 
-import importlib
+import importlib as _importlib
+import typing as _typing
 from importlib import metadata as _metadata
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from kernelexec._config import ExecutorConfig
     from kernelexec._core._executor import AsyncKernelExecutor
     from kernelexec._core._session import AsyncSession
@@ -81,11 +81,11 @@ _EXPORTS: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'kernelexec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_importlib.import_module(module), name)
     globals()[name] = value
     return value
 

@@ -740,9 +740,9 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 
 
 # An ipc socket's path must fit in sun_path: 108 bytes with the terminating NUL. Ours are
-# <tempdir>/kx-XXXXXXXX/s-<port>, ports up to five digits.
+# <tempdir>/kx-XXXXXXXX/s-<n>: jupyter-client numbers a kernel's ipc sockets 1 to 5.
 _SUN_PATH_MAX = 107
-_SOCKET_SUFFIX = "kx-XXXXXXXX/s-65535"
+_SOCKET_SUFFIX = "kx-XXXXXXXX/s-5"
 
 
 def _check_socket_room() -> None:
