@@ -23,6 +23,7 @@ from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
 from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
+from kernelexec._files._session import AsyncSessionFiles
 from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._protocol import _host as protocol
@@ -87,6 +88,11 @@ class AsyncSession:
         self._on_close = on_close
         self._state = Lifecycle(f"session {agent_id!r}", opened=True)
         self._current: RunOutcome | None = None  # the run in progress, for a cancellation
+        self.files = AsyncSessionFiles(
+            lease, self._state.check, str(workdir), timeout=default_timeout
+        )
+        """Files in the session's working directory, moved through its kernel (see
+        :class:`kernelexec.AsyncSessionFiles`): ``await session.files.write("a.csv", data)``."""
 
     # -- public API -------------------------------------------------------------------------
 

@@ -1,0 +1,401 @@
+"""``AsyncSessionFiles``: files in and out of one session's working directory, through its
+kernel.
+
+Every operation takes the session's lock (so it runs between the session's calls, never during
+one), makes sure the kernel has the files helper (installed on its first file operation and
+again after every restart), and speaks the files protocol of ``_wire``. A stream
+(:class:`FileReader`, :class:`FileWriter`) holds the lock from its start to its end.
+"""
+
+from __future__ import annotations
+
+import builtins
+import os
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from types import TracebackType
+from typing import Any, NoReturn, Protocol
+
+from kernelexec._exceptions import FileTransferError
+from kernelexec._files._wire import (
+    DEFAULT_CHUNK,
+    FILES_REPLY,
+    FILES_REQUEST,
+    FileInfo,
+    Stalled,
+    check_path,
+    exchange,
+    install_request,
+    installed,
+    raise_for_reply,
+)
+from kernelexec._protocol._host import with_configure
+from kernelexec.backends._base import KernelConnection, KernelMessage
+
+
+class FilesLease(Protocol):
+    """What the files need of a session's hold on its kernel (``KernelLease`` is one)."""
+
+    generation: int
+
+    def hold(self) -> AbstractAsyncContextManager[None]:
+        """Exclusive use of the kernel, in the order asked for."""
+
+    async def attach(self) -> tuple[KernelConnection, builtins.list[str] | None]:
+        """The kernel (started if none), and the names lost since the last run (or None)."""
+
+    def put_back_lost(self, lost: builtins.list[str] | None) -> None:
+        """Hand what :meth:`attach` returned back, for the session's next run to report."""
+
+    def take_settings(self) -> dict[str, Any] | None:
+        """The working-directory settings a fresh kernel still needs, once."""
+
+    async def lose_state(self) -> None:
+        """Replace the kernel; the next run reports what was lost."""
+
+
+class _Link:
+    """The files protocol on one session's kernel; every method is used with the lock held."""
+
+    def __init__(
+        self, lease: FilesLease, check_open: Callable[[], None], workdir: str, timeout: float
+    ) -> None:
+        self.lease = lease
+        self._check_open = check_open
+        self._workdir = workdir
+        self.timeout = timeout
+        self._installed: tuple[int, int] | None = None  # (connection, generation)
+
+    async def connect(self) -> KernelConnection:
+        """The session's kernel, with the files helper installed."""
+        self._check_open()
+        conn, lost = await self.lease.attach()
+        self.lease.put_back_lost(lost)  # a file operation is not the run that reports them
+        if not conn.custom_messages:
+            raise FileTransferError(
+                "this backend does not carry kernelexec's own messages; file operations need them"
+            )
+        if self._installed != (id(conn), self.lease.generation):
+            await self._install(conn)
+        return conn
+
+    async def _install(self, conn: KernelConnection) -> None:
+        request = install_request(self._workdir)
+        settings = self.lease.take_settings()
+        if settings is not None:  # the kernel's first request: it enters the directory
+            request = with_configure(request, settings)
+        got = await exchange(
+            conn,
+            request.msg_type,
+            request.content(),
+            reply_type=request.reply_type,
+            timeout=self.timeout,
+            metadata=request.metadata,
+        )
+        if isinstance(got, Stalled):
+            await self._stalled(got, "installing the files helper")
+        if got.content.get("status") != "ok" or not installed(got.content):
+            why = got.content.get("evalue") or "this ipykernel has no shell handler table"
+            raise FileTransferError(f"the kernel cannot serve file operations: {why}")
+        self._installed = (id(conn), self.lease.generation)
+
+    async def request(
+        self,
+        conn: KernelConnection,
+        content: dict[str, Any],
+        path: str,
+        buffers: tuple[bytes, ...] = (),
+    ) -> KernelMessage:
+        """One file operation; its reply (errors raised)."""
+        got = await exchange(
+            conn,
+            FILES_REQUEST,
+            content,
+            reply_type=FILES_REPLY,
+            timeout=self.timeout,
+            buffers=buffers,
+        )
+        if isinstance(got, Stalled):
+            await self._stalled(got, f"{content.get('op')} of {path!r}")
+        raise_for_reply(got.content, path)
+        return got
+
+    async def _stalled(self, stalled: Stalled, what: str) -> NoReturn:
+        """The kernel died, or did not answer in time (a shell handler cannot be interrupted
+        into answering): either way it is replaced, and the next run says so."""
+        self._installed = None
+        await self.lease.lose_state()
+        if stalled.died is not None:
+            raise FileTransferError(f"the kernel died during {what} ({stalled.died.reason})")
+        raise FileTransferError(
+            f"no answer within {self.timeout:g} s during {what}; the kernel was replaced"
+        )
+
+
+class AsyncSessionFiles:
+    """Files in a session's working directory, moved through its kernel: ``session.files``.
+
+    Paths are relative to the session's working directory; absolute paths, ``..`` leaving it,
+    the empty path and links resolving outside it raise :class:`~kernelexec.PathRefusedError`.
+    The kernel opens every file, so everything happens with the kernel's rights (at
+    ``"process"`` its own uid) and works the same on every backend, a gateway's included.
+    File data travels as binary message buffers in chunks of ``chunk_size`` bytes; no
+    result-size limit applies. :meth:`read` and :meth:`write` hold the whole file in memory;
+    :meth:`open_read`, :meth:`open_write`, :meth:`upload` and :meth:`download` never do.
+    """
+
+    def __init__(
+        self,
+        lease: FilesLease,
+        check_open: Callable[[], None],
+        workdir: str,
+        *,
+        timeout: float,
+        chunk_size: int = DEFAULT_CHUNK,
+    ) -> None:
+        self._link = _Link(lease, check_open, workdir, timeout)
+        self.chunk_size = chunk_size
+
+    async def write(self, path: str | os.PathLike[str], data: bytes | str) -> FileInfo:
+        """Create or replace the file ``path`` with ``data`` (``str`` is written as UTF-8).
+
+        Missing parent directories are made. The file appears whole or not at all (written
+        beside it, then renamed); a replaced file keeps its mode.
+        """
+        if isinstance(data, str):
+            data = data.encode()
+        if not isinstance(data, bytes | bytearray | memoryview):
+            raise TypeError(f"data must be bytes or str, not {type(data).__name__}")
+        view = memoryview(data).cast("B")
+        async with self.open_write(path) as writer:
+            for start in range(0, len(view), self.chunk_size):
+                await writer.write(view[start : start + self.chunk_size])
+        assert writer.info is not None
+        return writer.info
+
+    async def read(self, path: str | os.PathLike[str]) -> bytes:
+        """The content of the file ``path``."""
+        data = bytearray()
+        async with self.open_read(path) as reader:
+            async for chunk in reader:
+                data += chunk
+        return bytes(data)
+
+    def open_read(self, path: str | os.PathLike[str]) -> FileReader:
+        """Read ``path`` in chunks: ``async with files.open_read(p) as r: async for chunk in
+        r: ...``. The session's other calls wait until the block ends."""
+        return FileReader(self._link, check_path(path), str(path), self.chunk_size)
+
+    def open_write(self, path: str | os.PathLike[str]) -> FileWriter:
+        """Write ``path`` in pieces: ``async with files.open_write(p) as w: await
+        w.write(data)``; the file is in place when the block ends without an error (and
+        ``w.info`` describes it), else nothing of it remains."""
+        return FileWriter(self._link, check_path(path), str(path), self.chunk_size)
+
+    async def upload(
+        self, local_path: str | os.PathLike[str], path: str | os.PathLike[str]
+    ) -> FileInfo:
+        """Copy the host file ``local_path`` to ``path`` in the session, chunk by chunk."""
+        async with self.open_write(path) as writer:
+            with open(local_path, "rb") as f:
+                while chunk := f.read(self.chunk_size):
+                    await writer.write(chunk)
+        assert writer.info is not None
+        return writer.info
+
+    async def download(self, path: str | os.PathLike[str], local_path: str | os.PathLike[str]) -> int:
+        """Copy ``path`` in the session to the host file ``local_path``; return its size."""
+        size = 0
+        async with self.open_read(path) as reader:
+            with open(local_path, "wb") as f:
+                async for chunk in reader:
+                    f.write(chunk)
+                    size += len(chunk)
+        return size
+
+    async def list(
+        self, path: str | os.PathLike[str] = ".", *, recursive: bool = False
+    ) -> builtins.list[FileInfo]:
+        """The entries of the directory ``path`` sorted by name (all below it with
+        ``recursive``, links not followed); a file gives its own entry."""
+        got = await self._one({"op": "list", "recursive": bool(recursive)}, path)
+        return [FileInfo.model_validate(e) for e in got.content.get("entries") or []]
+
+    async def stat(self, path: str | os.PathLike[str]) -> FileInfo:
+        """``path``'s entry (a link inside the directory is followed)."""
+        got = await self._one({"op": "stat"}, path)
+        return FileInfo.model_validate(got.content["info"])
+
+    async def exists(self, path: str | os.PathLike[str]) -> bool:
+        """Whether ``path`` exists (a link that leads outside still raises)."""
+        try:
+            await self.stat(path)
+        except FileNotFoundError:
+            return False
+        return True
+
+    async def remove(self, path: str | os.PathLike[str], *, recursive: bool = False) -> None:
+        """Remove the file, link or empty directory ``path`` (a non-empty directory with
+        ``recursive``). A link is removed itself, never what it points to."""
+        await self._one({"op": "remove", "recursive": bool(recursive)}, path)
+
+    async def mkdir(self, path: str | os.PathLike[str], *, parents: bool = True) -> FileInfo:
+        """Make the directory ``path`` (with missing parents, and no error if it exists,
+        unless ``parents=False``)."""
+        got = await self._one({"op": "mkdir", "parents": bool(parents)}, path)
+        return FileInfo.model_validate(got.content["info"])
+
+    async def _one(self, content: dict[str, Any], path: str | os.PathLike[str]) -> KernelMessage:
+        rel = check_path(path)
+        async with self._link.lease.hold():
+            conn = await self._link.connect()
+            return await self._link.request(conn, {**content, "path": rel}, str(path))
+
+
+class _Stream:
+    """What a reader and a writer share: the lock held for the whole stream, and the handle."""
+
+    def __init__(self, link: _Link, rel: str, given: str, chunk_size: int) -> None:
+        self._link = link
+        self._rel = rel
+        self._given = given
+        self._chunk = chunk_size
+        self._stack: AsyncExitStack | None = None
+        self._conn: KernelConnection | None = None
+        self._handle: str | None = None
+
+    async def _start(self) -> KernelConnection:
+        if self._stack is not None:
+            raise RuntimeError("a file stream can be entered only once")
+        stack = AsyncExitStack()
+        await stack.enter_async_context(self._link.lease.hold())
+        self._stack = stack
+        try:
+            self._conn = await self._link.connect()
+        except BaseException:
+            await self._end()
+            raise
+        return self._conn
+
+    async def _end(self) -> None:
+        stack, self._stack = self._stack, None
+        if stack is None:
+            return
+        try:
+            if self._handle is not None and self._conn is not None:
+                handle, self._handle = self._handle, None
+                await self._link.request(self._conn, {"op": "close", "handle": handle}, self._given)
+        finally:
+            await stack.aclose()
+
+    def _live(self) -> KernelConnection:
+        if self._conn is None or self._stack is None:
+            raise RuntimeError("use the file stream inside its `async with` block")
+        return self._conn
+
+
+class FileReader(_Stream):
+    """A file being read from a session in chunks (from :meth:`AsyncSessionFiles.open_read`).
+
+    Attributes:
+        size: The file's size when it was opened.
+    """
+
+    size: int | None = None
+    _first: bytes | None = None
+    _eof = False
+
+    async def __aenter__(self) -> FileReader:
+        conn = await self._start()
+        try:
+            got = await self._link.request(
+                conn, {"op": "open_read", "path": self._rel, "chunk": self._chunk}, self._given
+            )
+        except BaseException:
+            await self._end()
+            raise
+        self.size = int(got.content.get("size") or 0)
+        self._take(got)
+        return self
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        await self._end()
+
+    def _take(self, got: KernelMessage) -> None:
+        self._handle = got.content.get("handle")
+        self._eof = bool(got.content.get("eof"))
+        self._first = bytes(got.buffers[0]) if got.buffers else b""
+
+    async def read(self) -> bytes:
+        """The next chunk; ``b""`` at the end of the file."""
+        conn = self._live()
+        if self._first is not None:
+            chunk, self._first = self._first, None
+            return chunk
+        if self._eof or self._handle is None:
+            return b""
+        got = await self._link.request(
+            conn, {"op": "read", "handle": self._handle, "chunk": self._chunk}, self._given
+        )
+        self._take(got)
+        chunk, self._first = self._first or b"", None
+        return chunk
+
+    def __aiter__(self) -> AsyncIterator[bytes]:
+        return self._chunks()
+
+    async def _chunks(self) -> AsyncIterator[bytes]:
+        while True:
+            chunk = await self.read()
+            if not chunk:
+                return
+            yield chunk
+
+
+class FileWriter(_Stream):
+    """A file being written to a session in pieces (from :meth:`AsyncSessionFiles.open_write`).
+
+    Attributes:
+        info: The written file's entry, once the block ended without an error.
+    """
+
+    info: FileInfo | None = None
+
+    async def __aenter__(self) -> FileWriter:
+        await self._start()
+        self._pending = bytearray()
+        self._opened = False
+        return self
+
+    async def write(self, data: bytes | bytearray | memoryview) -> None:
+        """Append ``data``; it is sent whenever a chunk's worth has gathered."""
+        self._live()
+        self._pending += data
+        while len(self._pending) >= self._chunk:
+            piece = bytes(self._pending[: self._chunk])
+            del self._pending[: self._chunk]
+            await self._send(piece, final=False)
+
+    async def _send(self, piece: bytes, *, final: bool) -> None:
+        conn = self._live()
+        if self._opened:
+            content: dict[str, Any] = {"op": "write", "handle": self._handle, "final": final}
+        else:
+            content = {"op": "open_write", "path": self._rel, "final": final}
+        got = await self._link.request(conn, content, self._given, (piece,))
+        self._opened = True
+        self._handle = got.content.get("handle")
+        if final:
+            self.info = FileInfo.model_validate(got.content["info"])
+
+    async def __aexit__(
+        self, et: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        try:
+            if et is None:
+                piece, self._pending = bytes(self._pending), bytearray()
+                await self._send(piece, final=True)
+        finally:
+            await self._end()  # an unfinished upload is removed in the kernel
