@@ -19,6 +19,7 @@ and the open is caught too. Only regular files are read (a planted FIFO would bl
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import shutil
@@ -52,6 +53,7 @@ _ERRNO_KINDS = {
     errno.ELOOP: REFUSED,  # a link appeared where the path had none when it was checked
 }
 
+_Reply = tuple[dict[str, Any], list[Any]]
 _handles: dict[str, Any] = {}
 _state: dict[str, Any] = {"root": None}
 
@@ -97,7 +99,7 @@ def _bytes(buffer: Any) -> memoryview:
     return memoryview(getattr(buffer, "buffer", buffer))
 
 
-def serve(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dict[str, Any], list[Any]]:
+def serve(content: dict[str, Any], buffers: list[memoryview]) -> _Reply:
     """Run one operation; return the reply's content and buffers. Never raises."""
     op = content.get("op")
     path = content.get("path")
@@ -176,7 +178,7 @@ def _info(rel: str, st: os.stat_result, link: bool = False) -> dict[str, Any]:
 # -- reading -----------------------------------------------------------------------------------
 
 
-def _open_read(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dict[str, Any], list]:
+def _open_read(content: dict[str, Any], buffers: list[memoryview]) -> _Reply:
     rel = str(content["path"])
     root, real = _resolve(rel)
     fd = os.open(real, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
@@ -194,7 +196,7 @@ def _open_read(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dict
     return reply, out
 
 
-def _read(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dict[str, Any], list]:
+def _read(content: dict[str, Any], buffers: list[memoryview]) -> _Reply:
     handle = str(content["handle"])
     f = _handles.get(handle)
     if f is None:
@@ -205,9 +207,7 @@ def _read(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dict[str,
     eof = got < size
     if eof:
         _handles.pop(handle).close()
-    return {"status": "ok", "handle": None if eof else handle, "eof": eof}, [
-        memoryview(data)[:got]
-    ]
+    return {"status": "ok", "handle": None if eof else handle, "eof": eof}, [memoryview(data)[:got]]
 
 
 # -- writing -----------------------------------------------------------------------------------
@@ -244,21 +244,27 @@ class _Upload:
         os.close(self.fd)
         self.fd = -1
         os.replace(self.temp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        self.temp = ""
         st = os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
-        os.close(self.dir_fd)
+        self.close_dir()
         return _info(self.rel, st)
 
     def abort(self) -> None:
         if self.fd >= 0:
             os.close(self.fd)
-        try:
-            os.unlink(self.temp, dir_fd=self.dir_fd)
-        except FileNotFoundError:
-            pass
-        os.close(self.dir_fd)
+            self.fd = -1
+        if self.temp and self.dir_fd >= 0:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.temp, dir_fd=self.dir_fd)
+        self.close_dir()
+
+    def close_dir(self) -> None:
+        if self.dir_fd >= 0:
+            os.close(self.dir_fd)
+            self.dir_fd = -1
 
 
-def _open_write(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dict[str, Any], list]:
+def _open_write(content: dict[str, Any], buffers: list[memoryview]) -> _Reply:
     rel = str(content["path"])
     root, real = _resolve(rel)
     if real == root:
@@ -276,7 +282,7 @@ def _open_write(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dic
     return _write({"handle": handle, "final": content.get("final")}, buffers)
 
 
-def _write(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dict[str, Any], list]:
+def _write(content: dict[str, Any], buffers: list[memoryview]) -> _Reply:
     handle = str(content["handle"])
     upload = _handles.get(handle)
     if not isinstance(upload, _Upload):
@@ -294,7 +300,7 @@ def _write(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dict[str
         raise
 
 
-def _close(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dict[str, Any], list]:
+def _close(content: dict[str, Any], buffers: list[memoryview]) -> _Reply:
     """Drop an open file: a reader is closed, an unfinished upload removed."""
     found = _handles.pop(str(content.get("handle")), None)
     if isinstance(found, _Upload):
@@ -307,15 +313,15 @@ def _close(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dict[str
 # -- the rest ----------------------------------------------------------------------------------
 
 
-def _stat(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dict[str, Any], list]:
+def _stat(content: dict[str, Any], buffers: list[memoryview]) -> _Reply:
     rel = str(content["path"])
-    root, lexical = _resolve(rel, follow=False)
+    _, lexical = _resolve(rel, follow=False)
     link = os.path.islink(lexical)
     _, real = _resolve(rel)
     return {"status": "ok", "info": _info(rel, os.stat(real), link)}, []
 
 
-def _list(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dict[str, Any], list]:
+def _list(content: dict[str, Any], buffers: list[memoryview]) -> _Reply:
     rel = str(content["path"])
     root, real = _resolve(rel)
     base = "" if rel == "." else rel
@@ -343,7 +349,7 @@ def _entry(full: str, base: str, prefix: str, name: str) -> dict[str, Any]:
     return _info(rel, st, stat.S_ISLNK(st.st_mode))
 
 
-def _remove(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dict[str, Any], list]:
+def _remove(content: dict[str, Any], buffers: list[memoryview]) -> _Reply:
     rel = str(content["path"])
     root, real = _resolve(rel, follow=False)  # a link is removed, never what it points to
     if real == root:
@@ -363,9 +369,9 @@ def _remove(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dict[st
     return {"status": "ok"}, []
 
 
-def _mkdir(content: dict[str, Any], buffers: list[memoryview]) -> tuple[dict[str, Any], list]:
+def _mkdir(content: dict[str, Any], buffers: list[memoryview]) -> _Reply:
     rel = str(content["path"])
-    root, real = _resolve(rel)
+    _, real = _resolve(rel)
     if content.get("parents", True):
         os.makedirs(real, exist_ok=True)
     else:

@@ -9,6 +9,7 @@ again after every restart), and speaks the files protocol of ``_wire``. A stream
 
 from __future__ import annotations
 
+import asyncio
 import builtins
 import os
 from collections.abc import AsyncIterator, Callable
@@ -196,21 +197,29 @@ class AsyncSessionFiles:
         self, local_path: str | os.PathLike[str], path: str | os.PathLike[str]
     ) -> FileInfo:
         """Copy the host file ``local_path`` to ``path`` in the session, chunk by chunk."""
-        async with self.open_write(path) as writer:
-            with open(local_path, "rb") as f:
-                while chunk := f.read(self.chunk_size):
+        f = await asyncio.to_thread(open, local_path, "rb")  # a slow disk must not stall the loop
+        try:
+            async with self.open_write(path) as writer:
+                while chunk := await asyncio.to_thread(f.read, self.chunk_size):
                     await writer.write(chunk)
+        finally:
+            f.close()
         assert writer.info is not None
         return writer.info
 
-    async def download(self, path: str | os.PathLike[str], local_path: str | os.PathLike[str]) -> int:
+    async def download(
+        self, path: str | os.PathLike[str], local_path: str | os.PathLike[str]
+    ) -> int:
         """Copy ``path`` in the session to the host file ``local_path``; return its size."""
         size = 0
-        async with self.open_read(path) as reader:
-            with open(local_path, "wb") as f:
+        f = await asyncio.to_thread(open, local_path, "wb")
+        try:
+            async with self.open_read(path) as reader:
                 async for chunk in reader:
-                    f.write(chunk)
+                    await asyncio.to_thread(f.write, chunk)
                     size += len(chunk)
+        finally:
+            f.close()
         return size
 
     async def list(

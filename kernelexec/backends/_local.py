@@ -316,6 +316,7 @@ class LocalConnection(KernelConnection):
                 if self._workdir:
                     _users.allow_search(self._workdir)
             env["HOME"] = kdir
+            env["PATH"] = _users.kernel_path(self._python, env.get("PATH"), own_user=plan.own_user)
             env.update(plan.extra_env)
             if plan.use_cgroup:
                 try:
