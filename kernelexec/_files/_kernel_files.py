@@ -334,8 +334,9 @@ def _list(content: dict[str, Any], buffers: list[memoryview]) -> _Reply:
     if content.get("recursive"):
         for top, dirs, files in os.walk(real):
             prefix = os.path.relpath(top, real)
-            for name in sorted(dirs) + sorted(files):
+            for name in dirs + files:
                 entries.append(_entry(os.path.join(top, name), base, prefix, name))
+        entries.sort(key=lambda e: str(e["path"]).split("/"))
     else:
         with os.scandir(real) as it:
             for item in sorted(it, key=lambda e: e.name):

@@ -225,7 +225,7 @@ class AsyncSessionFiles:
     async def list(
         self, path: str | os.PathLike[str] = ".", *, recursive: bool = False
     ) -> builtins.list[FileInfo]:
-        """The entries of the directory ``path`` sorted by name (all below it with
+        """The entries of the directory ``path`` sorted by path (all below it with
         ``recursive``, links not followed); a file gives its own entry."""
         got = await self._one({"op": "list", "recursive": bool(recursive)}, path)
         return [FileInfo.model_validate(e) for e in got.content.get("entries") or []]

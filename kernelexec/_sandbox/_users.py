@@ -93,7 +93,7 @@ def hand_over(path: str, uid: int) -> None:
 
 
 def kernel_path(python: str, path: str | None, *, own_user: bool) -> str:
-    """The ``PATH`` of an isolated kernel: its interpreter's directory first, so ``python`` in
+    """The ``PATH`` of a local kernel: its interpreter's directory first, so ``python`` in
     a subprocess is the kernel's own interpreter, then the host's entries, less those a
     kernel's own user could not reach (a pyenv shim under ``/root`` would shadow the rest
     with "permission denied" or "not found").
