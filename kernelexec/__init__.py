@@ -31,7 +31,14 @@ from kernelexec._exceptions import (
     ToolDefinitionError,
     ToolSchemaWarning,
 )
-from kernelexec._files._blocking import BlockingFileReader, BlockingFileWriter, SessionFiles
+from kernelexec._files._blocking import (
+    BlockingBackgroundCommand,
+    BlockingFileReader,
+    BlockingFileWriter,
+    SessionCommands,
+    SessionFiles,
+)
+from kernelexec._files._commands import AsyncSessionCommands, BackgroundCommand, CommandResult
 from kernelexec._files._session import AsyncSessionFiles, FileReader, FileWriter
 from kernelexec._files._wire import FileInfo
 from kernelexec._models import (
@@ -69,12 +76,16 @@ def unload_ipython_extension(ipython: object) -> None:
 __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "AsyncKernelExecutor",
     "AsyncSession",
+    "AsyncSessionCommands",
     "AsyncSessionFiles",
+    "BackgroundCommand",
     "BackgroundTaskError",
+    "BlockingBackgroundCommand",
     "BlockingFileReader",
     "BlockingFileWriter",
     "BuiltEnv",
     "CellDifference",
+    "CommandResult",
     "ConfigError",
     "DEFAULT_ENV_ALLOWLIST",
     "EnvBuilder",
@@ -101,6 +112,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "PoolExhaustedError",
     "ReplayReport",
     "Session",
+    "SessionCommands",
     "SessionFileError",
     "SessionFiles",
     "SetupCodeError",

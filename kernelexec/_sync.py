@@ -24,7 +24,7 @@ from kernelexec._core._session import AsyncSession
 from kernelexec._core._state import Lifecycle
 from kernelexec._envs._builder import ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
-from kernelexec._files._blocking import SessionFiles
+from kernelexec._files._blocking import SessionCommands, SessionFiles
 from kernelexec._models import Execution, Isolation, ToolResult
 from kernelexec._notebooks._replay import ReplayReport, areplay
 from kernelexec._tools._tool import Tool
@@ -86,6 +86,8 @@ class Session:
         self._portal = portal
         self.files = SessionFiles(inner.files, portal.call)
         """Files in the session's working directory (see :class:`kernelexec.SessionFiles`)."""
+        self.commands = SessionCommands(inner.commands, portal.call)
+        """Background commands in the session's kernel (see :class:`kernelexec.SessionCommands`)."""
 
     @property
     def agent_id(self) -> str:

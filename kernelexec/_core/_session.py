@@ -23,6 +23,8 @@ from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
 from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
+from kernelexec._files._commands import AsyncSessionCommands
+from kernelexec._files._link import KernelLink
 from kernelexec._files._session import AsyncSessionFiles
 from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
@@ -93,11 +95,13 @@ class AsyncSession:
         """Code run in every fresh kernel of the session before its first call (the executor's
         ``setup_code``, then the session's)."""
         self._setup_done = 0  # the kernel generation that last ran setup_code
-        self.files = AsyncSessionFiles(
-            lease, self._state.check, str(workdir), timeout=default_timeout
-        )
+        link = KernelLink(lease, self._state.check, str(workdir), timeout=default_timeout)
+        self.files = AsyncSessionFiles(link)
         """Files in the session's working directory, moved through its kernel (see
         :class:`kernelexec.AsyncSessionFiles`): ``await session.files.write("a.csv", data)``."""
+        self.commands = AsyncSessionCommands(link)
+        """Shell commands run in the background in the kernel while the session's other
+        calls go on (see :class:`kernelexec.AsyncSessionCommands`)."""
 
     # -- public API -------------------------------------------------------------------------
 

@@ -1,4 +1,5 @@
-"""``SessionFiles``: the blocking twin of ``AsyncSessionFiles`` (``Session.files``).
+"""``SessionFiles`` and ``SessionCommands``: the blocking twins of ``AsyncSessionFiles`` and
+``AsyncSessionCommands`` (``Session.files``, ``Session.commands``).
 
 Every method is one call into the executor's event-loop thread through ``call`` (the blocking
 facade's portal); streams enter, step and leave their async twin the same way.
@@ -8,10 +9,12 @@ from __future__ import annotations
 
 import builtins
 import os
-from collections.abc import Callable, Coroutine, Iterator
+import signal
+from collections.abc import Callable, Coroutine, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
+from kernelexec._files._commands import AsyncSessionCommands, BackgroundCommand, CommandResult
 from kernelexec._files._session import AsyncSessionFiles, FileReader, FileWriter
 from kernelexec._files._wire import FileInfo
 
@@ -133,3 +136,83 @@ class BlockingFileWriter:
     def write(self, data: bytes | bytearray | memoryview) -> None:
         """Append ``data``; see :meth:`FileWriter.write`."""
         self._call(self._inner.write, data)
+
+
+class SessionCommands:
+    """Background commands in a session's kernel; see :class:`~kernelexec.AsyncSessionCommands`."""
+
+    def __init__(self, inner: AsyncSessionCommands, call: Call) -> None:
+        self._inner = inner
+        self._call = call
+
+    def start(
+        self, command: str | Sequence[str], *, env: dict[str, str] | None = None, cwd: str = "."
+    ) -> BlockingBackgroundCommand:
+        """Start ``command`` and return at once; see :meth:`AsyncSessionCommands.start`."""
+        proc = self._call(self._inner.start, command, env=env, cwd=cwd)
+        return BlockingBackgroundCommand(proc, self._call)
+
+    def run(
+        self,
+        command: str | Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str = ".",
+        timeout: float | None = None,
+    ) -> CommandResult:
+        """Run ``command`` to its end; see :meth:`AsyncSessionCommands.run`."""
+        result: CommandResult = self._call(
+            self._inner.run, command, env=env, cwd=cwd, timeout=timeout
+        )
+        return result
+
+
+class BlockingBackgroundCommand:
+    """Blocking twin of :class:`BackgroundCommand`."""
+
+    def __init__(self, inner: BackgroundCommand, call: Call) -> None:
+        self._inner = inner
+        self._call = call
+
+    @property
+    def pid(self) -> int:
+        """Its supervisor's process id in the kernel's namespace (also its process group)."""
+        return self._inner.pid
+
+    @property
+    def exit_code(self) -> int | None:
+        """Its exit status once it ended, else None."""
+        return self._inner.exit_code
+
+    @property
+    def running(self) -> bool:
+        """Whether it had not ended at the last poll."""
+        return self._inner.running
+
+    @property
+    def stdout(self) -> bytes:
+        """Standard output gathered so far."""
+        return self._inner.stdout
+
+    @property
+    def stderr(self) -> bytes:
+        """Standard error gathered so far."""
+        return self._inner.stderr
+
+    def poll(self, wait: float = 0.0) -> int | None:
+        """Gather new output; see :meth:`BackgroundCommand.poll`."""
+        code: int | None = self._call(self._inner.poll, wait)
+        return code
+
+    def wait(self, timeout: float | None = None) -> int | None:
+        """Poll until it ends; see :meth:`BackgroundCommand.wait`."""
+        code: int | None = self._call(self._inner.wait, timeout)
+        return code
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal its process group; see :meth:`BackgroundCommand.kill`."""
+        self._call(self._inner.kill, sig)
+
+    def result(self, *, timed_out: bool = False) -> CommandResult:
+        """What was gathered; see :meth:`BackgroundCommand.result`."""
+        return self._inner.result(timed_out=timed_out)

@@ -2,8 +2,7 @@
 kernel.
 
 Every operation takes the session's lock (so it runs between the session's calls, never during
-one), makes sure the kernel has the files helper (installed on its first file operation and
-again after every restart), and speaks the files protocol of ``_wire``. A stream
+one) and goes through the session's :class:`~kernelexec._files._link.KernelLink`. A stream
 (:class:`FileReader`, :class:`FileWriter`) holds the lock from its start to its end.
 """
 
@@ -12,125 +11,18 @@ from __future__ import annotations
 import asyncio
 import builtins
 import os
-from collections.abc import AsyncIterator, Callable
-from contextlib import AbstractAsyncContextManager, AsyncExitStack
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack
 from types import TracebackType
-from typing import Any, NoReturn, Protocol
+from typing import Any
 
-from kernelexec._exceptions import FileTransferError
+from kernelexec._files._link import KernelLink
 from kernelexec._files._wire import (
     DEFAULT_CHUNK,
-    FILES_REPLY,
-    FILES_REQUEST,
     FileInfo,
-    Stalled,
     check_path,
-    exchange,
-    install_request,
-    installed,
-    raise_for_reply,
 )
-from kernelexec._protocol._host import with_configure
 from kernelexec.backends._base import KernelConnection, KernelMessage
-
-
-class FilesLease(Protocol):
-    """What the files need of a session's hold on its kernel (``KernelLease`` is one)."""
-
-    generation: int
-
-    def hold(self) -> AbstractAsyncContextManager[None]:
-        """Exclusive use of the kernel, in the order asked for."""
-
-    async def attach(self) -> tuple[KernelConnection, builtins.list[str] | None]:
-        """The kernel (started if none), and the names lost since the last run (or None)."""
-
-    def put_back_lost(self, lost: builtins.list[str] | None) -> None:
-        """Hand what :meth:`attach` returned back, for the session's next run to report."""
-
-    def take_settings(self) -> dict[str, Any] | None:
-        """The working-directory settings a fresh kernel still needs, once."""
-
-    async def lose_state(self) -> None:
-        """Replace the kernel; the next run reports what was lost."""
-
-
-class _Link:
-    """The files protocol on one session's kernel; every method is used with the lock held."""
-
-    def __init__(
-        self, lease: FilesLease, check_open: Callable[[], None], workdir: str, timeout: float
-    ) -> None:
-        self.lease = lease
-        self._check_open = check_open
-        self._workdir = workdir
-        self.timeout = timeout
-        self._installed: tuple[int, int] | None = None  # (connection, generation)
-
-    async def connect(self) -> KernelConnection:
-        """The session's kernel, with the files helper installed."""
-        self._check_open()
-        conn, lost = await self.lease.attach()
-        self.lease.put_back_lost(lost)  # a file operation is not the run that reports them
-        if not conn.custom_messages:
-            raise FileTransferError(
-                "this backend does not carry kernelexec's own messages; file operations need them"
-            )
-        if self._installed != (id(conn), self.lease.generation):
-            await self._install(conn)
-        return conn
-
-    async def _install(self, conn: KernelConnection) -> None:
-        request = install_request(self._workdir)
-        settings = self.lease.take_settings()
-        if settings is not None:  # the kernel's first request: it enters the directory
-            request = with_configure(request, settings)
-        got = await exchange(
-            conn,
-            request.msg_type,
-            request.content(),
-            reply_type=request.reply_type,
-            timeout=self.timeout,
-            metadata=request.metadata,
-        )
-        if isinstance(got, Stalled):
-            await self._stalled(got, "installing the files helper")
-        if got.content.get("status") != "ok" or not installed(got.content):
-            why = got.content.get("evalue") or "this ipykernel has no shell handler table"
-            raise FileTransferError(f"the kernel cannot serve file operations: {why}")
-        self._installed = (id(conn), self.lease.generation)
-
-    async def request(
-        self,
-        conn: KernelConnection,
-        content: dict[str, Any],
-        path: str,
-        buffers: tuple[bytes, ...] = (),
-    ) -> KernelMessage:
-        """One file operation; its reply (errors raised)."""
-        got = await exchange(
-            conn,
-            FILES_REQUEST,
-            content,
-            reply_type=FILES_REPLY,
-            timeout=self.timeout,
-            buffers=buffers,
-        )
-        if isinstance(got, Stalled):
-            await self._stalled(got, f"{content.get('op')} of {path!r}")
-        raise_for_reply(got.content, path)
-        return got
-
-    async def _stalled(self, stalled: Stalled, what: str) -> NoReturn:
-        """The kernel died, or did not answer in time (a shell handler cannot be interrupted
-        into answering): either way it is replaced, and the next run says so."""
-        self._installed = None
-        await self.lease.lose_state()
-        if stalled.died is not None:
-            raise FileTransferError(f"the kernel died during {what} ({stalled.died.reason})")
-        raise FileTransferError(
-            f"no answer within {self.timeout:g} s during {what}; the kernel was replaced"
-        )
 
 
 class AsyncSessionFiles:
@@ -145,16 +37,8 @@ class AsyncSessionFiles:
     :meth:`open_read`, :meth:`open_write`, :meth:`upload` and :meth:`download` never do.
     """
 
-    def __init__(
-        self,
-        lease: FilesLease,
-        check_open: Callable[[], None],
-        workdir: str,
-        *,
-        timeout: float,
-        chunk_size: int = DEFAULT_CHUNK,
-    ) -> None:
-        self._link = _Link(lease, check_open, workdir, timeout)
+    def __init__(self, link: KernelLink, *, chunk_size: int = DEFAULT_CHUNK) -> None:
+        self._link = link
         self.chunk_size = chunk_size
 
     async def write(self, path: str | os.PathLike[str], data: bytes | str) -> FileInfo:
@@ -264,7 +148,7 @@ class AsyncSessionFiles:
 class _Stream:
     """What a reader and a writer share: the lock held for the whole stream, and the handle."""
 
-    def __init__(self, link: _Link, rel: str, given: str, chunk_size: int) -> None:
+    def __init__(self, link: KernelLink, rel: str, given: str, chunk_size: int) -> None:
         self._link = link
         self._rel = rel
         self._given = given

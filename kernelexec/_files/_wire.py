@@ -26,12 +26,15 @@ from kernelexec._exceptions import (
     SessionNotADirectoryError,
     SessionPermissionError,
 )
+from kernelexec._files import _kernel_commands as kernel_commands
 from kernelexec._files import _kernel_files as kernel_files
 from kernelexec._protocol._host import ExecuteRequest
 from kernelexec.backends._base import KernelConnection, KernelDied, KernelMessage
 
 FILES_REQUEST = kernel_files.FILES_REQUEST
 FILES_REPLY = kernel_files.FILES_REPLY
+COMMAND_REQUEST = kernel_commands.COMMAND_REQUEST
+COMMAND_REPLY = kernel_commands.COMMAND_REPLY
 _METADATA_KEY = "kernelexec_files"
 
 DEFAULT_CHUNK = 4 << 20
@@ -93,20 +96,25 @@ def check_path(path: Any) -> str:
 
 
 def install_request(workdir: str) -> ExecuteRequest:
-    """The request that installs the kernel side of the files protocol (its source rides in
-    the metadata) and says in its reply's payload whether the handler is registered."""
-    source = importlib.resources.files(__package__).joinpath("_kernel_files.py").read_text()
-    name = kernel_files.MODULE_NAME
+    """The request that installs the files and commands helpers in a kernel (their sources
+    ride in the metadata) and says in its reply's payload whether both serve."""
+    folder = importlib.resources.files(__package__)
+    modules = [
+        (kernel_files.MODULE_NAME, folder.joinpath("_kernel_files.py").read_text(), [workdir]),
+        (kernel_commands.MODULE_NAME, folder.joinpath("_kernel_commands.py").read_text(), []),
+    ]
     code = (
         "def __kx_files():\n"
         "    import sys, types\n"
         "    from IPython import get_ipython\n"
         "    ip = get_ipython()\n"
         f"    meta = ip.kernel.get_parent()['metadata'][{_METADATA_KEY!r}]\n"
-        f"    mod = types.ModuleType({name!r})\n"
-        f"    sys.modules[{name!r}] = mod\n"
-        "    exec(compile(meta['source'], '<kernelexec files>', 'exec'), mod.__dict__)\n"
-        "    serves = mod.install(meta['root'])\n"
+        "    serves = True\n"
+        "    for name, source, args in meta['modules']:\n"
+        "        mod = types.ModuleType(name)\n"
+        "        sys.modules[name] = mod\n"
+        "        exec(compile(source, f'<{name}>', 'exec'), mod.__dict__)\n"
+        "        serves = mod.install(*args) is True and serves\n"
         f"    ip.payload_manager.write_payload({{'source': {kernel_files.SERVES_PAYLOAD!r},"
         " 'serves': serves})\n"
         "__kx_files(); del __kx_files\n"
@@ -115,7 +123,7 @@ def install_request(workdir: str) -> ExecuteRequest:
         code=code,
         silent=True,
         store_history=False,
-        metadata={_METADATA_KEY: {"source": source, "root": workdir}},
+        metadata={_METADATA_KEY: {"modules": modules}},
     )
 
 
