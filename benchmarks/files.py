@@ -25,9 +25,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import kernelexec as kx  # noqa: E402
-from kernelexec.backends import GatewayBackend  # noqa: E402
-from tests.gateway import Gateway  # noqa: E402
+import kernelexec as kx
+from kernelexec.backends import GatewayBackend
+from tests.gateway import Gateway
 
 CHUNK = 4 << 20
 SIZES = {"1 MiB": 1 << 20, "100 MiB": 100 << 20}
@@ -94,27 +94,31 @@ def rate(size: int, fn: Callable[[], object]) -> float:
 
 
 def measure(s: kx.Session, where: str, host_dir: Path | None) -> list[dict[str, object]]:
-    rows: list[dict[str, object]] = []
     s.run_code("1")
-    for label, size in SIZES.items():
-        data = os.urandom(size)
-        s.files.write("warm.bin", data[: 1 << 20])
-        row: dict[str, object] = {"where": where, "size": label}
-        row["files_write"] = rate(size, lambda: s.files.write("f.bin", data))
-        row["files_read"] = rate(size, lambda: s.files.read("f.bin"))
-        assert s.files.read("f.bin") == data
-        row["base64_write"] = rate(size, lambda: base64_write(s, "b.bin", data))
-        row["base64_read"] = rate(size, lambda: base64_read(s, "b.bin", size))
-        assert base64_read(s, "b.bin", size) == data
-        if host_dir is not None:
-            source = host_dir.parent / "source.bin"
-            source.write_bytes(data)
-            row["host_copy"] = rate(size, lambda: shutil.copyfile(source, host_dir / "c.bin"))
-            source.unlink()
-        rows.append(row)
-        s.files.remove("f.bin")
-        s.files.remove("b.bin")
-    return rows
+    s.files.write("warm.bin", os.urandom(1 << 20))
+    return [measure_size(s, where, label, size, host_dir) for label, size in SIZES.items()]
+
+
+def measure_size(
+    s: kx.Session, where: str, label: str, size: int, host_dir: Path | None
+) -> dict[str, object]:
+    data = os.urandom(size)
+    row: dict[str, object] = {"where": where, "size": label}
+    row["files_write"] = rate(size, lambda: s.files.write("f.bin", data))
+    row["files_read"] = rate(size, lambda: s.files.read("f.bin"))
+    assert s.files.read("f.bin") == data
+    row["base64_write"] = rate(size, lambda: base64_write(s, "b.bin", data))
+    row["base64_read"] = rate(size, lambda: base64_read(s, "b.bin", size))
+    assert base64_read(s, "b.bin", size) == data
+    if host_dir is not None:
+        source = host_dir.parent / "source.bin"
+        source.write_bytes(data)
+        row["host_copy"] = rate(size, lambda: shutil.copyfile(source, host_dir / "c.bin"))
+        source.unlink()
+        (host_dir / "c.bin").unlink()
+    s.files.remove("f.bin")
+    s.files.remove("b.bin")
+    return row
 
 
 def main() -> None:
