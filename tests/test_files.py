@@ -238,3 +238,23 @@ def test_python_in_a_subprocess_is_the_kernels_own_interpreter(level: str) -> No
             "print(p.stdout.strip() == sys.executable, p.returncode, p.stderr[-300:])"
         )
         assert out.stdout.startswith("True 0"), (out.stdout, out.error)
+
+
+@pytest.mark.anyio
+async def test_many_small_chunks_in_flight_arrive_whole_and_in_order() -> None:
+    async with kx.AsyncKernelExecutor(isolation="none") as ex:
+        s = await ex.session("chunks")
+        s.files.chunk_size = 1000
+        for size in (0, 999, 1000, 10_000, 10_501):
+            data = os.urandom(size)
+            assert (await s.files.write("c.bin", data)).size == size
+            assert await s.files.read("c.bin") == data
+            async with s.files.open_read("c.bin") as r:
+                sizes = [len(c) async for c in r]
+            assert sizes == [1000] * (size // 1000) + ([size % 1000] if size % 1000 else [])
+            async with s.files.open_write("w.bin") as w:
+                for start in range(0, size, 300):
+                    await w.write(data[start : start + 300])
+            assert w.info is not None and w.info.size == size
+            same = await s.run_code("open('w.bin', 'rb').read() == open('c.bin', 'rb').read()")
+            assert same.result == "True"

@@ -8,7 +8,7 @@ again in every fresh kernel after a restart.
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractAsyncContextManager
 from typing import Any, NoReturn, Protocol
 
@@ -21,6 +21,7 @@ from kernelexec._files._wire import (
     install_request,
     installed,
     raise_for_reply,
+    wait_reply,
 )
 from kernelexec._protocol._host import with_configure
 from kernelexec.backends._base import KernelConnection, KernelMessage
@@ -104,6 +105,20 @@ class KernelLink:
         """One file operation; its reply (errors raised)."""
         got = await self.ask(conn, FILES_REQUEST, FILES_REPLY, content, buffers)
         raise_for_reply(got.content, path)
+        return got
+
+    async def post(
+        self, conn: KernelConnection, content: dict[str, Any], buffers: tuple[bytes, ...] = ()
+    ) -> str:
+        """Send a file operation without waiting; its msg_id, for :meth:`collect`."""
+        return await conn.send("shell", FILES_REQUEST, content, buffers=buffers)
+
+    async def collect(self, conn: KernelConnection, msg_ids: Collection[str]) -> KernelMessage:
+        """The next reply to the posted operations ``msg_ids`` (they are answered in order),
+        whatever it says."""
+        got = await wait_reply(conn, msg_ids, FILES_REPLY, self.timeout)
+        if isinstance(got, Stalled):
+            await self._stalled(got, "a file transfer")
         return got
 
     async def ask(

@@ -11,18 +11,18 @@ from __future__ import annotations
 import asyncio
 import builtins
 import os
+from collections import deque
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any
 
 from kernelexec._files._link import KernelLink
-from kernelexec._files._wire import (
-    DEFAULT_CHUNK,
-    FileInfo,
-    check_path,
-)
+from kernelexec._files._wire import DEFAULT_CHUNK, FileInfo, check_path, raise_for_reply
 from kernelexec.backends._base import KernelConnection, KernelMessage
+
+WINDOW = 2
+"""File operations in flight at once in a stream (measured: past two, nothing more gained)."""
 
 
 class AsyncSessionFiles:
@@ -190,16 +190,20 @@ class _Stream:
 class FileReader(_Stream):
     """A file being read from a session in chunks (from :meth:`AsyncSessionFiles.open_read`).
 
+    Up to :data:`WINDOW` chunks are asked for ahead, so the kernel reads the next while the
+    host takes the last.
+
     Attributes:
         size: The file's size when it was opened.
     """
 
     size: int | None = None
-    _first: bytes | None = None
-    _eof = False
 
     async def __aenter__(self) -> FileReader:
         conn = await self._start()
+        self._ahead: deque[str] = deque()
+        self._asked = 0
+        self._eof = False
         try:
             got = await self._link.request(
                 conn, {"op": "open_read", "path": self._rel, "chunk": self._chunk}, self._given
@@ -208,7 +212,8 @@ class FileReader(_Stream):
             await self._end()
             raise
         self.size = int(got.content.get("size") or 0)
-        self._take(got)
+        self._first: bytes | None = self._take(got)
+        self._asked = len(self._first)
         return self
 
     async def __aexit__(
@@ -216,25 +221,44 @@ class FileReader(_Stream):
     ) -> None:
         await self._end()
 
-    def _take(self, got: KernelMessage) -> None:
+    def _take(self, got: KernelMessage) -> bytes:
         self._handle = got.content.get("handle")
         self._eof = bool(got.content.get("eof"))
-        self._first = bytes(got.buffers[0]) if got.buffers else b""
+        return bytes(got.buffers[0]) if got.buffers else b""
+
+    async def _ask_ahead(self) -> None:
+        """Keep up to WINDOW reads in flight while the file (as big as it was at the open)
+        has more, and always one until the end of the file is seen."""
+        conn = self._live()
+        size = self.size or 0
+        while (
+            not self._eof
+            and self._handle is not None
+            and len(self._ahead) < WINDOW
+            and (self._asked < size or not self._ahead)
+        ):
+            content = {"op": "read", "handle": self._handle, "chunk": self._chunk}
+            self._ahead.append(await self._link.post(conn, content))
+            self._asked += self._chunk
 
     async def read(self) -> bytes:
         """The next chunk; ``b""`` at the end of the file."""
         conn = self._live()
         if self._first is not None:
             chunk, self._first = self._first, None
+            await self._ask_ahead()
             return chunk
-        if self._eof or self._handle is None:
-            return b""
-        got = await self._link.request(
-            conn, {"op": "read", "handle": self._handle, "chunk": self._chunk}, self._given
-        )
-        self._take(got)
-        chunk, self._first = self._first or b"", None
-        return chunk
+        while self._ahead:
+            got = await self._link.collect(conn, self._ahead)
+            self._ahead.remove(str(got.parent_id))
+            if self._eof:
+                continue  # asked for past the end (the file shrank): nothing more comes
+            raise_for_reply(got.content, self._given)
+            chunk = self._take(got)
+            await self._ask_ahead()
+            if chunk:
+                return chunk
+        return b""
 
     def __aiter__(self) -> AsyncIterator[bytes]:
         return self._chunks()
@@ -250,6 +274,9 @@ class FileReader(_Stream):
 class FileWriter(_Stream):
     """A file being written to a session in pieces (from :meth:`AsyncSessionFiles.open_write`).
 
+    After the first chunk, up to :data:`WINDOW` chunks are in flight, so the kernel writes one
+    while the host sends the next.
+
     Attributes:
         info: The written file's entry, once the block ended without an error.
     """
@@ -260,6 +287,7 @@ class FileWriter(_Stream):
         await self._start()
         self._pending = bytearray()
         self._opened = False
+        self._ahead: deque[str] = deque()
         return self
 
     async def write(self, data: bytes | bytearray | memoryview) -> None:
@@ -273,14 +301,24 @@ class FileWriter(_Stream):
 
     async def _send(self, piece: bytes, *, final: bool) -> None:
         conn = self._live()
-        if self._opened:
-            content: dict[str, Any] = {"op": "write", "handle": self._handle, "final": final}
-        else:
-            content = {"op": "open_write", "path": self._rel, "final": final}
-        got = await self._link.request(conn, content, self._given, (piece,))
-        self._opened = True
-        self._handle = got.content.get("handle")
+        if not self._opened:
+            content: dict[str, Any] = {"op": "open_write", "path": self._rel, "final": final}
+            got = await self._link.request(conn, content, self._given, (piece,))
+            self._opened = True
+            self._handle = got.content.get("handle")
+            self._settled(got, final)
+            return
+        content = {"op": "write", "handle": self._handle, "final": final}
+        self._ahead.append(await self._link.post(conn, content, (piece,)))
+        while len(self._ahead) >= (1 if final else WINDOW):
+            got = await self._link.collect(conn, self._ahead)
+            self._ahead.remove(str(got.parent_id))
+            raise_for_reply(got.content, self._given)
+            self._settled(got, final and not self._ahead)
+
+    def _settled(self, got: KernelMessage, final: bool) -> None:
         if final:
+            self._handle = None
             self.info = FileInfo.model_validate(got.content["info"])
 
     async def __aexit__(

@@ -11,6 +11,7 @@ import errno
 import importlib.resources
 import os
 import time
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -159,9 +160,12 @@ async def exchange(
 
 
 async def wait_reply(
-    conn: KernelConnection, msg_id: str, reply_type: str, timeout: float
+    conn: KernelConnection, msg_ids: str | Collection[str], reply_type: str, timeout: float
 ) -> KernelMessage | Stalled:
-    """The reply of type ``reply_type`` to ``msg_id``, or :class:`Stalled` after ``timeout``."""
+    """The reply of type ``reply_type`` to ``msg_ids`` (the first to come when several are
+    awaited: the kernel answers its shell requests in order), or :class:`Stalled` after
+    ``timeout``."""
+    ids = {msg_ids} if isinstance(msg_ids, str) else msg_ids
     deadline = time.monotonic() + timeout
     while True:
         left = deadline - time.monotonic()
@@ -172,7 +176,7 @@ async def wait_reply(
             continue
         if isinstance(msg, KernelDied):
             return Stalled(died=msg)
-        if msg.parent_id == msg_id and msg.channel == "shell" and msg.msg_type == reply_type:
+        if msg.parent_id in ids and msg.channel == "shell" and msg.msg_type == reply_type:
             return msg
 
 
