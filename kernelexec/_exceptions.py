@@ -96,7 +96,7 @@ class PathRefusedError(KernelExecError, ValueError):
         reason: Why it was refused, in words.
     """
 
-    def __init__(self, path: str, reason: str) -> None:
+    def __init__(self, path: str, reason: str = "it leaves the working directory") -> None:
         super().__init__(f"path {path!r} refused: {reason}")
         self.path = path
         self.reason = reason
