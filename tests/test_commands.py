@@ -49,6 +49,15 @@ def test_a_command_runs_to_its_end(executor: kx.KernelExecutor) -> None:
     assert missing.exit_code == 127 and "not found" in missing.stderr
 
 
+def test_output_larger_than_a_pipe_arrives_whole(executor: kx.KernelExecutor) -> None:
+    s = executor.session("big-output")
+    code = "import sys; sys.stdout.write('x' * 20_000_000); sys.stderr.write('y' * 70_000)"
+    result = s.commands.run(["python", "-c", code])
+    assert result.exit_code == 0
+    assert len(result.stdout) == 20_000_000 and set(result.stdout) == {"x"}
+    assert result.stderr == "y" * 70_000
+
+
 def test_other_calls_run_while_a_command_does(executor: kx.KernelExecutor) -> None:
     """The command waits for a file that only the session's own later calls create: it can
     end only if those calls ran while it was running (no timer involved)."""

@@ -2,8 +2,9 @@
 
 Sent as text and run in the kernel as the module ``__kernelexec_commands__``; standard library
 only. It serves :data:`COMMAND_REQUEST`: ``start`` a command in the background (its own process
-group, stdin at EOF, stdout and stderr to files in a private directory), ``poll`` it (its exit
-code once it ended, and the output written since the last poll, as binary buffers), and
+group, stdin at EOF, stdout and stderr read from pipes into the kernel's memory, at most 16 MiB
+each between polls), ``poll`` it (its exit code once it ended, and the output since the last
+poll, as binary buffers), and
 ``signal`` its process group. Every request returns at once (``poll`` waits at most a moment for
 the command to end), so the session's other calls, a file read for one, run while a command
 does.
@@ -21,7 +22,8 @@ import os
 import signal
 import subprocess
 import sys
-import tempfile
+import threading
+import time
 import uuid
 from typing import Any
 
@@ -30,6 +32,8 @@ COMMAND_REQUEST = "kernelexec_command_request"
 COMMAND_REPLY = "kernelexec_command_reply"
 
 _MAX_READ = 4 << 20  # output bytes per stream per poll
+_MAX_BUFFERED = 16 << 20  # output bytes per stream held in the kernel between polls
+_LINGER = 1.0  # seconds after a command ended that its pipes may stay open
 _Reply = tuple[dict[str, Any], list[Any]]
 
 
@@ -68,45 +72,77 @@ _alive: list[int] = []  # the write end of the kernel's liveness pipe, once made
 
 
 class _Command:
-    """One background command: its process, its output files and how far they were read."""
+    """One background command: its supervisor process, and its output read from pipes by two
+    threads into buffers that each poll empties (so nothing of it is ever left on disk)."""
 
     def __init__(self, argv: list[str], env: dict[str, str], cwd: str) -> None:
         if not _alive:
             read_end, write_end = os.pipe()  # neither is inherited unless passed
             _alive[:] = [read_end, write_end]
-        self.dir = tempfile.mkdtemp(prefix="kx-cmd-")
-        self.paths = [os.path.join(self.dir, "stdout"), os.path.join(self.dir, "stderr")]
-        self.offsets = [0, 0]
         supervisor = [sys.executable, "-I", "-S", "-c", SUPERVISOR, str(_alive[0])]
-        with open(self.paths[0], "wb") as out, open(self.paths[1], "wb") as err:
-            self.proc = subprocess.Popen(
-                [*supervisor, *argv],
-                stdin=subprocess.DEVNULL,
-                stdout=out,
-                stderr=err,
-                cwd=cwd,
-                env=env,
-                start_new_session=True,
-                pass_fds=(_alive[0],),
-            )
+        self.proc = subprocess.Popen(
+            [*supervisor, *argv],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            cwd=cwd,
+            env=env,
+            start_new_session=True,
+            pass_fds=(_alive[0],),
+        )
+        self.buffers = [bytearray(), bytearray()]
+        self.open = 2  # pipes not yet at end of file
+        self.changed = threading.Condition()
+        self.ended_at: float | None = None
+        for index, pipe in enumerate((self.proc.stdout, self.proc.stderr)):
+            threading.Thread(
+                target=self._drain,
+                args=(index, pipe),
+                name="kernelexec command output",
+                daemon=True,
+            ).start()
 
-    def read(self, stream: int, limit: int) -> bytes:
-        with open(self.paths[stream], "rb") as f:
-            f.seek(self.offsets[stream])
-            data = f.read(limit)
-        self.offsets[stream] += len(data)
+    def _drain(self, index: int, pipe: Any) -> None:
+        """Read one pipe to its end; stop reading while its buffer is full (the command then
+        waits to write, as it would on a pipe, until the host polls)."""
+        fd = pipe.fileno()
+        try:
+            while True:
+                with self.changed:
+                    while len(self.buffers[index]) >= _MAX_BUFFERED:
+                        self.changed.wait()
+                data = os.read(fd, 1 << 16)
+                if not data:
+                    break
+                with self.changed:
+                    self.buffers[index] += data
+        finally:
+            pipe.close()
+            with self.changed:
+                self.open -= 1
+                self.changed.notify_all()
+
+    def take(self, index: int, limit: int) -> bytes:
+        with self.changed:
+            buffer = self.buffers[index]
+            data = bytes(buffer[:limit])
+            del buffer[:limit]
+            self.changed.notify_all()
         return data
+
+    def drained(self, wait: float) -> bool:
+        """Whether all its output has been read from its pipes, waiting up to ``wait`` s. A
+        process it left behind may hold them open: then, a second after it ended, what came
+        is all there is."""
+        if self.ended_at is None:
+            self.ended_at = time.monotonic()
+        with self.changed:
+            self.changed.wait_for(lambda: self.open == 0, wait)
+            return self.open == 0 or time.monotonic() - self.ended_at > _LINGER
 
     def kill_group(self, sig: int) -> None:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.proc.pid, sig)
-
-    def forget(self) -> None:
-        for path in self.paths:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        with contextlib.suppress(OSError):
-            os.rmdir(self.dir)
 
 
 _commands: dict[str, _Command] = {}
@@ -116,7 +152,6 @@ def _kill_all() -> None:
     for command in list(_commands.values()):
         if command.proc.poll() is None:
             command.kill_group(signal.SIGKILL)
-        command.forget()
 
 
 def install() -> bool:
@@ -188,13 +223,12 @@ def _poll(content: dict[str, Any], command: _Command) -> _Reply:
         code = command.proc.wait(wait) if wait else command.proc.poll()
     except subprocess.TimeoutExpired:
         code = None
+    done = code is not None and command.drained(wait)
     limit = int(content.get("limit") or _MAX_READ)
-    out = command.read(0, limit)
-    err = command.read(1, limit)
-    more = len(out) == limit or len(err) == limit
-    done = code is not None and not more
+    out = command.take(0, limit)
+    err = command.take(1, limit)
+    done = done and not (len(out) == limit or len(err) == limit)
     if done:
         del _commands[str(content["id"])]
-        command.forget()
     reply = {"status": "ok", "exit_code": code if done else None, "running": code is None}
     return reply, [out, err]
