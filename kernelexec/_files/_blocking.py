@@ -30,6 +30,15 @@ class SessionFiles:
         self._inner = inner
         self._call = call
 
+    @property
+    def chunk_size(self) -> int:
+        """Bytes per message of a transfer (4 MiB)."""
+        return self._inner.chunk_size
+
+    @chunk_size.setter
+    def chunk_size(self, value: int) -> None:
+        self._inner.chunk_size = value
+
     def write(self, path: str | os.PathLike[str], data: bytes | str) -> FileInfo:
         """Create or replace ``path`` with ``data``; see :meth:`AsyncSessionFiles.write`."""
         return self._run(self._inner.write, path, data)

@@ -40,6 +40,8 @@ class AsyncSessionFiles:
     def __init__(self, link: KernelLink, *, chunk_size: int = DEFAULT_CHUNK) -> None:
         self._link = link
         self.chunk_size = chunk_size
+        """Bytes per message of a transfer; keep it under the websocket message limit of a
+        gateway (10 MiB by default for Jupyter Server)."""
 
     async def write(self, path: str | os.PathLike[str], data: bytes | str) -> FileInfo:
         """Create or replace the file ``path`` with ``data`` (``str`` is written as UTF-8).
