@@ -39,9 +39,20 @@ class AsyncSessionFiles:
 
     def __init__(self, link: KernelLink, *, chunk_size: int = DEFAULT_CHUNK) -> None:
         self._link = link
+        self._chunk = DEFAULT_CHUNK
         self.chunk_size = chunk_size
-        """Bytes per message of a transfer; keep it under the websocket message limit of a
-        gateway (10 MiB by default for Jupyter Server)."""
+
+    @property
+    def chunk_size(self) -> int:
+        """Bytes per message of a transfer (4 MiB); keep it under the websocket message limit
+        of a gateway (10 MiB by default for Jupyter Server)."""
+        return self._chunk
+
+    @chunk_size.setter
+    def chunk_size(self, value: int) -> None:
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            raise ValueError(f"chunk_size must be a positive int, got {value!r}")
+        self._chunk = value
 
     async def write(self, path: str | os.PathLike[str], data: bytes | str) -> FileInfo:
         """Create or replace the file ``path`` with ``data`` (``str`` is written as UTF-8).
