@@ -22,7 +22,8 @@ from kernelexec._files._wire import DEFAULT_CHUNK, FileInfo, check_path, raise_f
 from kernelexec.backends._base import KernelConnection, KernelMessage
 
 WINDOW = 2
-"""File operations in flight at once in a stream (measured: past two, nothing more gained)."""
+"""File operations in flight at once in a stream: the kernel handles one while the host sends
+or takes the other (the kernel answers in order, one at a time, so more would only queue)."""
 
 
 class AsyncSessionFiles:
