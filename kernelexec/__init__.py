@@ -8,6 +8,7 @@ The async core is :class:`AsyncKernelExecutor` / :class:`AsyncSession`; :class:`
 
 from importlib import metadata as _metadata
 
+from kernelexec._branching._family import AsyncSnapshot
 from kernelexec._config import ExecutorConfig
 from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._core._session import AsyncSession
@@ -15,6 +16,8 @@ from kernelexec._envs._builder import BuiltEnv, EnvBuilder, EnvProgress
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import (
     BackgroundTaskError,
+    BranchError,
+    BranchingNotSupportedError,
     ConfigError,
     EnvSetupError,
     ExecutionError,
@@ -36,7 +39,7 @@ from kernelexec._models import (
     ToolResult,
 )
 from kernelexec._notebooks._replay import CellDifference, ReplayReport, areplay
-from kernelexec._sync import KernelExecutor, Session, replay
+from kernelexec._sync import KernelExecutor, Session, Snapshot, replay
 from kernelexec._tools._tool import Tool
 
 try:
@@ -62,7 +65,10 @@ def unload_ipython_extension(ipython: object) -> None:
 __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "AsyncKernelExecutor",
     "AsyncSession",
+    "AsyncSnapshot",
     "BackgroundTaskError",
+    "BranchError",
+    "BranchingNotSupportedError",
     "BuiltEnv",
     "CellDifference",
     "ConfigError",
@@ -86,6 +92,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "PoolExhaustedError",
     "ReplayReport",
     "Session",
+    "Snapshot",
     "Tool",
     "ToolDefinitionError",
     "ToolResult",

@@ -12,7 +12,7 @@ import asyncio
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePath
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from nbformat import NotebookNode
 
@@ -22,12 +22,20 @@ from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
-from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
+from kernelexec._exceptions import (
+    BranchingNotSupportedError,
+    EnvSetupError,
+    ExecutorClosedError,
+)
 from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import ExecuteRequest
 from kernelexec._tools._tool import Tool
+
+if TYPE_CHECKING:
+    from kernelexec._branching._family import AsyncSnapshot
+    from kernelexec._core._forking import SessionBranches
 
 
 class RunObserver(Protocol):
@@ -67,8 +75,10 @@ class AsyncSession:
         observers: tuple[RunObserver, ...] = (),
         on_close: Callable[[AsyncSession], Awaitable[None]] | None = None,
         isolation: Isolation | None = None,
+        branches: SessionBranches | None = None,
     ) -> None:
         self.agent_id = agent_id
+        self._branches = branches
         self.isolation = isolation or Isolation(level="none")
         """What is in force for this session's kernel: ``.level``, and per limit and per
         boundary the mechanism that enforces it (see :class:`kernelexec.Isolation`)."""
@@ -285,6 +295,61 @@ class AsyncSession:
         if out.died or out.timed_out or out.reply is None:
             return {}
         return protocol.read_variables(out.reply)
+
+    async def fork(self, n: int = 1) -> list[AsyncSession]:
+        """Branch the live session: ``n`` new sessions whose kernels are copies of this one's
+        (every variable, import and definition; memory shared copy-on-write), which then go
+        their own ways. Waits for the running call; this kernel is paused only for one
+        ``fork()``.
+
+        Each child is a session of its own (agent id ``"<agent_id>~<k>"``), with its own
+        connection file and key, working directory (a copy of this one's files), recording
+        (starting with a cell naming this session) and, at ``"process"``, this session's
+        user and limits in a cgroup of its own. Threads started in this kernel do not exist
+        in a child: its first result warns about them on stderr. Children count against
+        ``max_kernels``; closing this session leaves them running.
+
+        Raises:
+            PoolExhaustedError: the children would exceed ``max_kernels`` (nothing forked).
+            BranchingNotSupportedError: this backend or isolation level cannot fork.
+            BranchError: the kernel could not be forked.
+        """
+        branches = self._need_branches()
+        async with self._lease.hold():
+            self._state.check()
+            return await branches.fork(self, n)
+
+    async def snapshot(self) -> AsyncSnapshot:
+        """A frozen copy of this session (a paused fork of its kernel holding memory only for
+        the pages that later change, and a copy of its files) to :meth:`restore` later.
+
+        Raises:
+            BranchingNotSupportedError: this backend or isolation level cannot fork.
+            BranchError: the kernel could not be forked.
+        """
+        branches = self._need_branches()
+        async with self._lease.hold():
+            self._state.check()
+            return await branches.snapshot(self)
+
+    async def restore(self, snap: AsyncSnapshot) -> None:
+        """Put the session back to exactly the state of ``snap`` (its variables and its
+        working directory's files); any number of times. Waits for the running call.
+
+        Raises:
+            ValueError: ``snap`` was taken of another session.
+            BranchError: the snapshot is closed, or the restored kernel did not start.
+        """
+        branches = self._need_branches()
+        async with self._lease.hold():
+            self._state.check()
+            await branches.restore(self, snap)
+
+    def _need_branches(self) -> SessionBranches:
+        self._state.check()
+        if self._branches is None:
+            raise BranchingNotSupportedError("this session cannot be forked")
+        return self._branches
 
     async def interrupt(self) -> None:
         """Interrupt whatever the kernel is running now (the running call gets the error)."""

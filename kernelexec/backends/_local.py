@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import IO, Any, Literal
 
 import psutil
@@ -263,6 +264,20 @@ class LocalBackend(KernelBackend):
         return conn
 
 
+@dataclass(frozen=True)
+class KernelTenant:
+    """What a fork of a local kernel shares with it (read by ``kernelexec._branching``): how
+    it was launched, its confinement, and the user it runs as."""
+
+    python: str
+    extra_args: tuple[str, ...]
+    env: dict[str, str]
+    plan: SandboxPlan | None
+    workdir: str | None
+    uid: int | None
+    kdir: str
+
+
 class LocalConnection(KernelConnection):
     """A kernel process on this machine with its zmq channels (ipc sockets in a private dir)."""
 
@@ -462,6 +477,18 @@ class LocalConnection(KernelConnection):
 
     def diagnostics(self, limit: int = 2000) -> str:
         return stderr_tail(self._stderr, "kernel stderr", limit)
+
+    def tenant(self) -> KernelTenant:
+        """How this kernel runs, for a fork of it (see :class:`KernelTenant`)."""
+        return KernelTenant(
+            self._python,
+            self._extra_args,
+            dict(self._env),
+            self._plan,
+            self._workdir,
+            self._uid,
+            self._dir,
+        )
 
     def connection_info(self) -> dict[str, Any] | None:
         km = self._km
