@@ -39,6 +39,11 @@ class BranchConnection(LocalConnection):
         self.fork_s = 0.0
         """How long the template's ``fork()`` of this kernel took (seconds)."""
 
+    def kernel_pid(self) -> int | None:
+        if self.launched_by == "branch" and self._forked is not None:
+            return self._forked.pid  # the kernel itself: a branch has no launcher
+        return super().kernel_pid()
+
     async def launch(self) -> None:
         template, self._template = self._template, None
         if template is None:

@@ -130,7 +130,15 @@ class Brancher:
                 await asyncio.to_thread(_users.hand_over, tdir, tenant.uid)
             control = os.path.join(tdir, "c")
             forked = await _process.fork_template(conn, control, self._timeout)
-            template = Template(forked.pid, control, tdir, forked.threads, tenant, forked.fork_s)
+            template = Template(
+                forked.pid,
+                control,
+                tdir,
+                forked.threads,
+                tenant,
+                forked.fork_s,
+                listener=forked.kernel,
+            )
         except BaseException:
             await asyncio.to_thread(_remove, tdir)
             raise

@@ -125,7 +125,7 @@ def _fork_template(cfg: dict[str, Any]) -> dict[str, Any]:
     finally:
         listener.close()
     _state["templates"].append(pid)
-    return {"status": "ok", "pid": pid, "threads": threads, "fork_s": paused}
+    return {"status": "ok", "pid": pid, "kernel": parent, "threads": threads, "fork_s": paused}
 
 
 # -- the template ---------------------------------------------------------------------------

@@ -103,6 +103,7 @@ class Forked:
     """What the live kernel said after forking a template."""
 
     pid: int
+    kernel: int
     threads: list[str] = field(default_factory=list)
     fork_s: float = 0.0
 
@@ -122,7 +123,12 @@ async def fork_template(conn: KernelConnection, control: str, timeout: float) ->
     )
     if reply.get("status") != "ok" or not isinstance(reply.get("pid"), int):
         raise BranchError(f"the kernel could not fork: {reply.get('evalue', 'no reason given')}")
-    return Forked(int(reply["pid"]), list(reply.get("threads") or []), float(reply["fork_s"]))
+    return Forked(
+        int(reply["pid"]),
+        int(reply["kernel"]),
+        list(reply.get("threads") or []),
+        float(reply["fork_s"]),
+    )
 
 
 class Template:
@@ -135,6 +141,8 @@ class Template:
         threads: The user's threads of the kernel it was forked from.
         tenant: How that kernel runs (its branches run the same way).
         fork_s: How long the kernel was paused for the ``fork()``.
+        listener: The kernel that made the listening socket (and handed it to the template):
+            the only process whose socket the host may talk to at ``control``.
 
     Raises:
         BranchError: the template is gone, or another process answered at ``control``.
@@ -148,6 +156,7 @@ class Template:
         threads: list[str],
         tenant: KernelTenant,
         fork_s: float = 0.0,
+        listener: int | None = None,
     ) -> None:
         self.pid = pid
         self.tdir = tdir
@@ -170,7 +179,8 @@ class Template:
         except OSError as exc:
             peer, problem = 0, f"could not reach the template: {exc}"
         else:
-            problem = "" if peer == pid else f"process {peer}, not the template {pid}, answered"
+            expected = listener if listener is not None else pid
+            problem = "" if peer == expected else f"process {peer}, not the template, answered"
         if problem:
             chan.close()
             self._close_pidfd()
