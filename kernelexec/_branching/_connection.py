@@ -16,7 +16,6 @@ import tempfile
 from kernelexec._branching._process import BranchProcess, Template
 from kernelexec._exceptions import BranchError, KernelStartError
 from kernelexec._sandbox import _cgroups, _users
-from kernelexec._tempdirs import make_owned_dir
 from kernelexec.backends._local import KernelTenant, LocalConnection
 
 
@@ -39,6 +38,11 @@ class BranchConnection(LocalConnection):
         self.fork_s = 0.0
         """How long the template's ``fork()`` of this kernel took (seconds)."""
 
+    def tenant(self) -> KernelTenant:
+        if self.launched_by == "branch":
+            return self._tenant  # a family's processes all nest in its first kernel's dir
+        return super().tenant()
+
     def kernel_pid(self) -> int | None:
         if self.launched_by == "branch" and self._forked is not None:
             return self._forked.pid  # the kernel itself: a branch has no launcher
@@ -49,7 +53,9 @@ class BranchConnection(LocalConnection):
         if template is None:
             await super().launch()  # a restart: a fresh kernel, not a branch
             return
-        self._dir = kdir = make_owned_dir("kx-")
+        # In the family's first kernel's directory (see the snapshot's): a branch lives in
+        # that kernel's mount namespace.
+        self._dir = kdir = tempfile.mkdtemp(prefix="b", dir=self._tenant.kdir)
         uid = self._tenant.uid
         if uid is not None:
             _users.hand_over(kdir, uid)  # the kernel binds its sockets here

@@ -16,6 +16,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -24,7 +25,6 @@ from kernelexec._branching._connection import BranchConnection
 from kernelexec._branching._process import Template
 from kernelexec._exceptions import BranchError, BranchingNotSupportedError, ExecutorClosedError
 from kernelexec._sandbox import _users
-from kernelexec._tempdirs import make_owned_dir
 from kernelexec.backends._base import KernelConnection
 from kernelexec.backends._local import LocalConnection
 
@@ -124,7 +124,14 @@ class Brancher:
         if id(conn) not in self._installed:
             await _process.install(conn, self._timeout)
             self._remember(conn, installed=True)
-        tdir = make_owned_dir("kx-")
+            if tenant.uid is not None:
+                # The kernel has read its connection file: take it back, so that a branch
+                # (the same user) cannot read this kernel's key from it.
+                with contextlib.suppress(OSError):
+                    os.chown(os.path.join(tenant.kdir, "kernel.json"), os.geteuid(), -1)
+        # Inside the family's first kernel's directory: the only place (besides the working
+        # directories) its mount namespace shows at "process", and it outlives the family.
+        tdir = await asyncio.to_thread(tempfile.mkdtemp, prefix="t", dir=tenant.kdir)
         try:
             if tenant.uid is not None:
                 await asyncio.to_thread(_users.hand_over, tdir, tenant.uid)

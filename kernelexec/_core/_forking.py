@@ -74,7 +74,9 @@ class SessionBranches:
             raise TypeError(f"n must be an int, not {type(n).__name__}")
         if n < 1:
             raise ValueError(f"n must be at least 1, not {n}")
-        self.brancher.check(session.lease.connection, session.isolation.level, self._backend)
+        self.brancher.check(None, session.isolation.level, self._backend)
+        conn = await self._kernel(session)
+        self.brancher.check(conn, session.isolation.level, self._backend)
         reserved = 0
         try:
             for _ in range(n):
@@ -85,7 +87,6 @@ class SessionBranches:
                         "kernels live); nothing was forked"
                     )
                 reserved += 1
-            conn = await self._kernel(session)
             children = await self._branches(conn, session.agent_id, n)
         except BaseException:
             for _ in range(reserved):
@@ -99,8 +100,9 @@ class SessionBranches:
     async def snapshot(self, session: AsyncSession) -> AsyncSnapshot:
         """A frozen copy of ``session`` (held by the caller); see
         :meth:`AsyncSession.snapshot`."""
-        self.brancher.check(session.lease.connection, session.isolation.level, self._backend)
+        self.brancher.check(None, session.isolation.level, self._backend)
         conn = await self._kernel(session)
+        self.brancher.check(conn, session.isolation.level, self._backend)
         template = await self.brancher.snapshot(conn, session.agent_id)
         snap = AsyncSnapshot(self.brancher, template, session.agent_id, session.lease.names)
         if isinstance(session.workdir, Path):
