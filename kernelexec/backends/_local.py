@@ -522,8 +522,8 @@ class LocalConnection(KernelConnection):
             except OSError:
                 return None
             return int(kids[0]) if kids else None
-        # Under the launcher (and bubblewrap) the kernel is the deepest process running the
-        # lean launcher's code.
+        # Under the launcher (and bubblewrap) the kernel is a process running the lean
+        # launcher's code (bubblewrap's command line holds it too).
         try:
             found = [
                 p
@@ -532,8 +532,22 @@ class LocalConnection(KernelConnection):
             ]
         except psutil.Error:
             return None
-        inner = [p for p in found if not any(q.ppid() == p.pid for q in found)]
-        return inner[0].pid if inner else None
+        # The kernel's own forks (branches: ``kernelexec._branching``) run the same code
+        # below it: the kernel is the one whose parent is not such a Python process.
+        pids = {p.pid: p for p in found}
+
+        def wrapper(proc: psutil.Process) -> bool:
+            return os.path.basename(str(proc.cmdline()[0])) == "bwrap"
+
+        try:
+            kernels = [
+                p
+                for p in found
+                if not wrapper(p) and (p.ppid() not in pids or wrapper(pids[p.ppid()]))
+            ]
+        except (psutil.Error, IndexError):
+            return None
+        return kernels[0].pid if kernels else None
 
     async def send(
         self,
