@@ -38,6 +38,11 @@ class BranchConnection(LocalConnection):
         self.fork_s = 0.0
         """How long the template's ``fork()`` of this kernel took (seconds)."""
 
+    @property
+    def kdir(self) -> str:
+        """The branch's own private directory (its sockets and connection file)."""
+        return self._dir
+
     def tenant(self) -> KernelTenant:
         if self.launched_by == "branch":
             return self._tenant  # a family's processes all nest in its first kernel's dir

@@ -124,11 +124,7 @@ class Brancher:
         if id(conn) not in self._installed:
             await _process.install(conn, self._timeout)
             self._remember(conn, installed=True)
-            if tenant.uid is not None:
-                # The kernel has read its connection file: take it back, so that a branch
-                # (the same user) cannot read this kernel's key from it.
-                with contextlib.suppress(OSError):
-                    os.chown(os.path.join(tenant.kdir, "kernel.json"), os.geteuid(), -1)
+            await asyncio.to_thread(seal, tenant.kdir, tenant.uid)
         # Inside the family's first kernel's directory: the only place (besides the working
         # directories) its mount namespace shows at "process", and it outlives the family.
         tdir = await asyncio.to_thread(tempfile.mkdtemp, prefix="t", dir=tenant.kdir)
@@ -178,6 +174,13 @@ class Brancher:
         self._nodes[id(child)] = node
         self._remember(child, installed=True)
         return child
+
+    async def seal(self, conn: KernelConnection) -> None:
+        """A branch is ready: close its channels to the others of its family (see
+        :func:`seal`)."""
+        if isinstance(conn, BranchConnection):
+            tenant = conn.tenant()
+            await asyncio.to_thread(seal, conn.kdir, tenant.uid)
 
     def is_closed(self, template: Template) -> bool:
         """Whether the snapshot behind ``template`` was closed (or the executor closed)."""
@@ -258,6 +261,19 @@ class Brancher:
             if parent is not None:
                 parent.children.discard(current)
             current = parent
+
+
+def seal(kdir: str, uid: int | None) -> None:
+    """Take a running kernel's connection file and socket files in ``kdir`` back from its
+    user (``uid``; nothing to do when None): its branches run as the same user, and must
+    neither read its key nor connect to its channels. The host (root) still can."""
+    if uid is None:
+        return
+    for entry in os.scandir(kdir):
+        if entry.name == "kernel.json" or entry.name.startswith("s-"):
+            with contextlib.suppress(OSError):
+                os.chown(entry.path, os.geteuid(), os.getegid(), follow_symlinks=False)
+                os.chmod(entry.path, 0o600, follow_symlinks=False)
 
 
 async def _noop() -> None:

@@ -153,6 +153,10 @@ class SessionBranches:
         finally:
             await snap.aclose()  # kept while its children live
 
+    async def _ready(self, conn: KernelConnection) -> None:
+        await make_ready(conn, self._reinstall, self._timeout)
+        await self.brancher.seal(conn)
+
     async def _branches_of(
         self, snap: AsyncSnapshot, origin: str, n: int
     ) -> list[KernelConnection]:
@@ -161,7 +165,7 @@ class SessionBranches:
         try:
             for _ in range(n):
                 made.append(await self.brancher.branch(snap.template, origin))
-            await asyncio.gather(*(make_ready(c, self._reinstall, self._timeout) for c in made))
+            await asyncio.gather(*(self._ready(c) for c in made))
         except BaseException:
             for conn in made:
                 if not await self.brancher.released(conn):
