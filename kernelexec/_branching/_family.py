@@ -93,6 +93,8 @@ class Brancher:
         self._installed: set[int] = set()  # id()s of kernels with the kernel side installed
         self._owners: dict[int, object] = {}  # keeps the id()s above valid
         self._closed = False
+        self.last_pause_s = 0.0
+        """How long the last fork paused its kernel (the kernel's own measure; benchmarks)."""
 
     # -- what a session asks for ------------------------------------------------------------
 
@@ -145,6 +147,7 @@ class Brancher:
         except BaseException:
             await asyncio.to_thread(_remove, tdir)
             raise
+        self.last_pause_s = forked.paused_s
         parent = self._node_of(conn)
         node = _Node(parent, lambda: asyncio.to_thread(template.close))
         parent.children.add(node)

@@ -102,6 +102,7 @@ def _register(kernel: Any) -> None:
 
 def _fork_template(cfg: dict[str, Any]) -> dict[str, Any]:
     """In the live kernel: fork a template listening at ``cfg["control"]``; its pid."""
+    began = time.perf_counter()
     for pid in list(_state["templates"]):  # reap ended templates (K's own children)
         try:
             if os.waitpid(pid, os.WNOHANG)[0]:
@@ -125,7 +126,14 @@ def _fork_template(cfg: dict[str, Any]) -> dict[str, Any]:
     finally:
         listener.close()
     _state["templates"].append(pid)
-    return {"status": "ok", "pid": pid, "kernel": parent, "threads": threads, "fork_s": paused}
+    return {
+        "status": "ok",
+        "pid": pid,
+        "kernel": parent,
+        "threads": threads,
+        "fork_s": paused,
+        "paused_s": time.perf_counter() - began,
+    }
 
 
 # -- the template ---------------------------------------------------------------------------

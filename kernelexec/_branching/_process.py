@@ -106,6 +106,7 @@ class Forked:
     kernel: int
     threads: list[str] = field(default_factory=list)
     fork_s: float = 0.0
+    paused_s: float = 0.0
 
 
 async def fork_template(conn: KernelConnection, control: str, timeout: float) -> Forked:
@@ -128,6 +129,7 @@ async def fork_template(conn: KernelConnection, control: str, timeout: float) ->
         int(reply["kernel"]),
         list(reply.get("threads") or []),
         float(reply["fork_s"]),
+        float(reply.get("paused_s", 0.0)),
     )
 
 
