@@ -11,12 +11,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
 
 import psutil
 import pytest
 
 import kernelexec as kx
 from kernelexec._core._session import AsyncSession
+from kernelexec._sandbox import _cgroups
 from kernelexec.backends._local import LocalConnection
 from tests.conftest import wait_exited
 from tests.hostile.conftest import needs_root
@@ -127,3 +132,48 @@ async def test_fork_bomb_through_fork_is_bounded_by_max_kernels() -> None:
             pids |= {pid, *(p.pid for p in psutil.Process(pid).children(recursive=True))}
     for pid in pids:
         assert wait_exited(pid), f"process {pid} survived the executor"
+
+
+HOST = r"""
+import asyncio, json, sys
+import kernelexec as kx
+
+async def main():
+    ex = kx.AsyncKernelExecutor(isolation=sys.argv[1])
+    await ex.start()
+    parent = await ex.session("doomed")
+    await parent.run_code("x = 1")
+    children = await parent.fork(2)
+    snap = await parent.snapshot()
+    pids = [s.lease.connection.kernel_pid() for s in (parent, *children)]
+    print(json.dumps(pids + [snap.template.pid]), flush=True)
+    await asyncio.Event().wait()
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("isolation", ["none", "process"])
+def test_a_killed_host_takes_every_branch_with_it(isolation: str, tmp_path: Path) -> None:
+    """No branch, snapshot or kernel outlives a host killed with SIGKILL (none is left to
+    PID 1 at ``"none"``)."""
+    host = subprocess.Popen(
+        [sys.executable, "-c", HOST, isolation],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": str(tmp_path)},  # what the killed host leaves goes too
+    )
+    try:
+        assert host.stdout is not None
+        pids = json.loads(host.stdout.readline())
+        assert len(pids) == 4 and all(isinstance(p, int) for p in pids)
+        host.send_signal(signal.SIGKILL)
+        host.wait()
+        for pid in pids:
+            assert wait_exited(pid, 30), f"process {pid} outlived its host"
+    finally:
+        host.kill()
+        host.wait()
+        if host.stdout is not None:
+            host.stdout.close()
+        _cgroups.sweep_stale()  # the killed host's empty groups
