@@ -108,6 +108,23 @@ async def test_fork_waits_for_a_running_call_never_copies_half_a_cell() -> None:
         assert await out(child, "print(x)") == "2\n"
 
 
+async def test_a_child_is_interrupted_and_replaced_like_any_kernel() -> None:
+    async with kx.AsyncKernelExecutor() as ex:
+        parent = await ex.session("i")
+        await out(parent, "x = 7")
+        (child,) = await parent.fork()
+        slow = await child.run_code("import time\ntime.sleep(60)", timeout=1)
+        assert slow.error is not None and slow.error.kind == "timeout"
+        assert "state kept" in slow.error.evalue
+        assert await out(child, "print(x)") == "7\n"
+        died = await child.run_code("import os\nos._exit(3)")
+        assert died.error is not None and died.error.kind == "kernel_died"
+        fresh = await child.run_code("print('x' in globals())")
+        assert fresh.stdout == "False\n"
+        assert "x" in fresh.lost_variables or "x" in died.lost_variables
+        assert await out(parent, "print(x)") == "7\n"
+
+
 async def test_snapshot_and_restore_undo_any_number_of_times() -> None:
     async with kx.AsyncKernelExecutor() as ex:
         s = await ex.session("undo")
