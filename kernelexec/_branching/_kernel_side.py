@@ -51,6 +51,7 @@ installs it again (else they would run twice)."""
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_DUMPABLE = 4
+_PR_SET_NAME = 15  # the name ps shows (comm): kx-template, kx-branch
 _libc = ctypes.CDLL(None, use_errno=True)
 _state: dict[str, Any] = {"kernel_threads": set(), "templates": [], "kept": [], "branch": None}
 
@@ -143,6 +144,7 @@ def _template(listener: socket.socket, cfg: dict[str, Any], parent: int) -> None
     code = 70
     try:
         _die_with(parent)
+        _libc.prctl(_PR_SET_NAME, b"kx-template", 0, 0, 0)
         os.setsid()
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -276,6 +278,7 @@ def _branch(req: dict[str, Any], fds: list[int], template: int) -> None:
     code = 1
     try:
         _die_with(template)
+        _libc.prctl(_PR_SET_NAME, b"kx-branch", 0, 0, 0)
         os.setsid()
         if fds:
             os.dup2(fds[0], 2)
