@@ -160,6 +160,19 @@ async def test_snapshot_and_restore_undo_any_number_of_times() -> None:
             await other.restore(await s.snapshot())
 
 
+async def test_setup_code_is_not_run_again_over_a_fork_or_a_restore() -> None:
+    async with kx.AsyncKernelExecutor(setup_code="runs = globals().get('runs', 0) + 1") as ex:
+        s = await ex.session("setup", setup_code="mine = 1")
+        assert await out(s, "print(runs, mine)") == "1 1\n"
+        (child,) = await s.fork()
+        assert child.setup_code == s.setup_code  # its own fresh kernels get the same setup
+        assert await out(child, "print(runs, mine)") == "1 1\n"
+        snap = await s.snapshot()
+        await out(s, "mine = 5")
+        await s.restore(snap)
+        assert await out(s, "print(runs, mine)") == "1 1\n"
+
+
 async def test_large_state_forks_sharing_memory() -> None:
     size = 256 << 20
     async with kx.AsyncKernelExecutor() as ex:

@@ -65,6 +65,8 @@ class AsyncSnapshot:
         self.names = names
         self.files: str | None = None
         """A copy of the session's working directory at the snapshot (host filesystem)."""
+        self.setup_ran = False
+        """Whether the session's ``setup_code`` had run in the kernel at the snapshot."""
 
     @property
     def closed(self) -> bool:

@@ -389,7 +389,12 @@ class AsyncKernelExecutor:
         self._branch_counts[parent.agent_id] = count
         pool = parent.lease.pool
         assert pool is not None  # the parent has a kernel
-        child = await self.session(agent_id, self._env_of.get(parent.fingerprint, self.env))
+        own = parent.setup_code[1:] if self.config.setup_code else parent.setup_code
+        child = await self.session(
+            agent_id,
+            self._env_of.get(parent.fingerprint, self.env),
+            setup_code=own[0] if own else None,  # the parent's, for the child's fresh kernels
+        )
         if isinstance(parent.workdir, Path) and isinstance(child.workdir, Path):
             await asyncio.to_thread(
                 shutil.copytree, parent.workdir, child.workdir, symlinks=True, dirs_exist_ok=True

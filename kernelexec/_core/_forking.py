@@ -92,9 +92,12 @@ class SessionBranches:
             for _ in range(reserved):
                 self._budget.release()
             raise
+        inherited = session.setup_current  # the children are forks of a set-up kernel
         made: list[AsyncSession] = []
         for child in children:
             made.append(await self._adopt(session, child))
+            if inherited:
+                made[-1].setup_inherited()
         return made
 
     async def snapshot(self, session: AsyncSession) -> AsyncSnapshot:
@@ -105,6 +108,7 @@ class SessionBranches:
         self.brancher.check(conn, session.isolation.level, self._backend)
         template = await self.brancher.snapshot(conn, session.agent_id)
         snap = AsyncSnapshot(self.brancher, template, session.agent_id, session.lease.names)
+        snap.setup_ran = session.setup_current
         if isinstance(session.workdir, Path):
             files = make_owned_dir("kx-")
             template.extra_dirs.append(files)
@@ -134,6 +138,8 @@ class SessionBranches:
         if snap.files is not None and isinstance(session.workdir, Path):
             await asyncio.to_thread(_replace_tree, Path(snap.files), session.workdir)
         await session.lease.swap(conn, snap.names)
+        if snap.setup_ran:
+            session.setup_inherited()  # restored exactly: setup_code is not run over it
 
     # -- internals ---------------------------------------------------------------------------
 

@@ -474,6 +474,15 @@ class AsyncSession:
         self._current = None  # the result owns its outputs now
         return fields, report, generation
 
+    @property
+    def setup_current(self) -> bool:
+        """Whether ``setup_code`` has run in the current kernel (a fork of it carries it)."""
+        return not self.setup_code or self._setup_done == self._lease.generation
+
+    def setup_inherited(self) -> None:
+        """The current kernel is a fork of one that ran ``setup_code``: not run again."""
+        self._setup_done = self._lease.generation
+
     async def _set_up(self, timeout: float) -> ExecError | None:
         """Run ``setup_code`` once per kernel, before its first call; the error when it failed
         (it is tried again before the next call)."""
