@@ -34,6 +34,7 @@ from kernelexec._files._link import KernelLink
 from kernelexec._files._session import AsyncSessionFiles
 from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
+from kernelexec._observability._otel import telemetry
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import ExecuteRequest
 from kernelexec._tools._tool import Tool
@@ -341,7 +342,8 @@ class AsyncSession:
         branches = self._need_branches()
         async with self._lease.hold():
             self._state.check()
-            return await branches.fork(self, n)
+            with telemetry().span("session.fork", {**self._span_attributes(), "kernelexec.n": n}):
+                return await branches.fork(self, n)
 
     async def snapshot(self) -> AsyncSnapshot:
         """A frozen copy of this session (a paused fork of its kernel holding memory only for
@@ -354,7 +356,8 @@ class AsyncSession:
         branches = self._need_branches()
         async with self._lease.hold():
             self._state.check()
-            return await branches.snapshot(self)
+            with telemetry().span("session.snapshot", self._span_attributes()):
+                return await branches.snapshot(self)
 
     async def restore(self, snap: AsyncSnapshot) -> None:
         """Put the session back to exactly the state of ``snap`` (its variables and its
@@ -367,7 +370,8 @@ class AsyncSession:
         branches = self._need_branches()
         async with self._lease.hold():
             self._state.check()
-            await branches.restore(self, snap)
+            with telemetry().span("session.restore", self._span_attributes()):
+                await branches.restore(self, snap)
 
     def _need_branches(self) -> SessionBranches:
         self._state.check()
@@ -405,6 +409,13 @@ class AsyncSession:
             observer.close()
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _span_attributes(self) -> dict[str, str]:
+        return {
+            "kernelexec.agent_id": self.agent_id,
+            "kernelexec.backend": self.backend,
+            "kernelexec.isolation": self.isolation.level,
+        }
 
     def _check_timeout(self, timeout: float | None) -> float:
         return self._timeout if timeout is None else valid_timeout(timeout)
