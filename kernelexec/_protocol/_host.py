@@ -94,7 +94,9 @@ def bootstrap_request(
     ``KERNELEXEC_FAST_CALLS=0`` in the environment turns that off whatever the caller says,
     so a whole test suite can run on the execute path.
     """
-    source = importlib.resources.files(__package__).joinpath("_kernel_side.py").read_text()
+    files = importlib.resources.files(__package__)
+    source = files.joinpath("_kernel_side.py").read_text()
+    output_source = files.joinpath("_kernel_output.py").read_text()
     if fast_paths is None:
         fast_paths = os.environ.get("KERNELEXEC_NO_FAST_PATHS") != "1"
     fast_calls = fast_calls and os.environ.get("KERNELEXEC_FAST_CALLS", "1") != "0"
@@ -116,6 +118,7 @@ def bootstrap_request(
         metadata={
             kernel_side.METADATA_KEY: {
                 "source": source,
+                "output_source": output_source,
                 "max_output_chars": max_output_chars,
                 "report_expression": REPORT_EXPRESSION,
                 "fast_paths": fast_paths,

@@ -48,6 +48,7 @@ import signal
 import sys
 import threading
 import time
+import types
 import uuid
 from typing import Any
 
@@ -224,8 +225,9 @@ def _parent_id(parent: Any) -> Any:
     return header.get("msg_id") if isinstance(header, dict) else None
 
 
-def _guard_session(session: Any, budget: _Budget) -> None:
-    """Make every output message pass the budget before it is serialised and sent."""
+def _guard_session(session: Any, budget: _Budget, gate: Any) -> None:
+    """Make every output message pass the budget before it is serialised and sent, once the
+    host has room for it (``gate``: see ``_kernel_output``)."""
     original = session.send
 
     def send(
@@ -242,12 +244,11 @@ def _guard_session(session: Any, budget: _Budget) -> None:
             parent_id = _parent_id(msg_or_type.get("parent_header"))
         else:
             kind, body, parent_id = msg_or_type, content, _parent_id(parent)
-        if (
-            kind in OUTPUT_TYPES
-            and isinstance(body, dict)
-            and not budget.admit(str(kind), body, parent_id)
-        ):
-            return None
+        if kind in OUTPUT_TYPES and isinstance(body, dict):
+            if gate is not None:
+                gate.wait()
+            if not budget.admit(str(kind), body, parent_id):
+                return None
         return original(stream, msg_or_type, content, parent, *args, **kw)
 
     session.send = send
@@ -405,6 +406,20 @@ def _fast_report(expression: str) -> None:
     shell.user_expressions = user_expressions
 
 
+OUTPUT_MODULE_NAME = "__kernelexec_output__"
+"""The name ``_kernel_output.py`` (flow control, whole characters) is installed under."""
+
+
+def _load_module(name: str, source: Any) -> Any:
+    """Execute a companion module's source (sent with this one's) as module ``name``."""
+    if not isinstance(source, str):
+        return None
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    exec(compile(source, "<kernelexec>", "exec"), module.__dict__)
+    return module
+
+
 def install() -> None:
     """Set up the kernel for kernelexec; called once after the kernel starts."""
     cfg = _payload()
@@ -419,12 +434,20 @@ def install() -> None:
     kernel = shell.kernel
     _keep_no_output_history(shell)
     _quiet_debug_log(kernel)
+    streams = [s for s in (sys.stdout, sys.stderr) if hasattr(s, "session")]
+    output = _load_module(OUTPUT_MODULE_NAME, cfg.get("output_source"))
+    gate = None
+    if output is not None:
+        for stream in streams:
+            output.decode_whole_characters(stream)
+        gate = output.install_flow_control(kernel, streams)
+    _state["gate"] = gate
     guarded: set[int] = set()
     for owner in (kernel, sys.stdout, sys.stderr, shell.displayhook, shell.display_pub):
         session = getattr(owner, "session", None)
         if session is not None and id(session) not in guarded:
             guarded.add(id(session))
-            _guard_session(session, budget)
+            _guard_session(session, budget, gate)
     if cfg.get("fast_paths", True):
         for stream in (sys.stdout, sys.stderr):
             if hasattr(stream, "session"):  # an ipykernel OutStream
@@ -433,7 +456,6 @@ def install() -> None:
         _fast_dates()
     if cfg.get("fast_paths", True) and cfg.get("report_expression"):
         _fast_report(cfg["report_expression"])
-    streams = [s for s in (sys.stdout, sys.stderr) if hasattr(s, "session")]
     shell.events.register("post_execute", lambda: _wait_for_fd_output(streams))
     shell.events.register("pre_execute", lambda: budget.reset(_run_id()))
     shell.events.register("pre_execute", configure)
