@@ -8,7 +8,8 @@ messages, the kernel's death (which the backend reports from ``receive``) and th
 the deadline the kernel is interrupted; if it does not finish within the grace period the caller
 must replace it. A run whose caller cancels it is interrupted the same way, and the loop keeps
 collecting for the grace period before it lets the cancellation go on, so the caller can tell
-whether the kernel stopped (``stuck`` if not).
+whether the kernel stopped (``stuck`` if not); a caller's output hook that raises ends the run
+the same way (:class:`~kernelexec._core._outputs.CallbackFailed`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernelexec._aio import finish_shielded
-from kernelexec._core._outputs import Callbacks, Collected, OutputCollector
+from kernelexec._core._outputs import CallbackFailed, Callbacks, Collected, OutputCollector
 from kernelexec._protocol._host import ExecuteRequest, output_count
 from kernelexec.backends._base import KernelConnection, KernelDied, KernelMessage
 
@@ -83,9 +84,9 @@ async def run_request(
     run = _Run(msg_id, request.reply_type, request.quiet, out, collector)
     try:
         await _collect(conn, run, start + timeout, interrupt_grace, output_grace)
-    except asyncio.CancelledError:
-        # The caller gave up (its own timeout, a disconnect): stop the code so the session's
-        # next call does not queue behind it in the kernel.
+    except (asyncio.CancelledError, CallbackFailed):
+        # The caller gave up (its own timeout, a disconnect) or its output hook raised: stop
+        # the code so the session's next call does not queue behind it in the kernel.
         out.cancelled = True
         await finish_shielded(_wind_down(conn, run, interrupt_grace))
         raise

@@ -19,7 +19,7 @@ from nbformat import NotebookNode
 from kernelexec._aio import finish_shielded
 from kernelexec._config import valid_timeout
 from kernelexec._core._lease import KernelLease
-from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
+from kernelexec._core._outputs import CallbackFailed, Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
 from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
@@ -165,6 +165,13 @@ class AsyncSession:
                     )
                 )
                 raise
+            except CallbackFailed as failed:
+                await finish_shielded(
+                    self._record_cancelled(
+                        failed, kind="code", code=code, started=started, timeout_s=timeout
+                    )
+                )
+                raise _callers_error(failed) from None
             execution = Execution(**result)
             problem = await self._observe(
                 "code", execution, started, timeout, generation, report, {"code": code}
@@ -248,6 +255,19 @@ class AsyncSession:
                         )
                     )
                     raise
+                except CallbackFailed as failed:
+                    await finish_shielded(
+                        self._record_cancelled(
+                            failed,
+                            kind="tool_call",
+                            tool=tool,
+                            args=args,
+                            agent_state=agent_state,
+                            started=started,
+                            timeout_s=timeout,
+                        )
+                    )
+                    raise _callers_error(failed) from None
                 fields["sandbox_config_fingerprint"] = self.fingerprint
                 fields["agent_state"] = agent_state
                 if report is not None and report.result is not None:
@@ -387,10 +407,13 @@ class AsyncSession:
                 f"the executor was closed while a call of session {self.agent_id!r} ran"
             ) from None
 
-    async def _record_cancelled(self, **record: Any) -> None:
-        """A call its caller cancelled: replace the kernel now if the call did not stop when
-        interrupted (so the next call starts on a healthy kernel and is not blamed), and hand
-        the observers the run as far as it went (its outputs so far)."""
+    async def _record_cancelled(
+        self, failed: CallbackFailed | None = None, **record: Any
+    ) -> None:
+        """A call its caller cancelled, or whose output hook raised (``failed``): replace the
+        kernel now if the call did not stop when interrupted (so the next call starts on a
+        healthy kernel and is not blamed), and hand the observers the run as far as it went
+        (its outputs so far)."""
         out, self._current = self._current, None
         generation = self._lease.generation
         replaced = out is not None and (out.stuck or out.died) and not self._state.closed
@@ -398,15 +421,16 @@ class AsyncSession:
             await self._lease.lose_state()  # the next run reports the lost names
         if not self._observers:
             return
-        why = "the caller cancelled the call; " + (
+        why = ("the caller cancelled the call; " if failed is None else f"{failed}; ") + (
             "it did not stop when interrupted, so its kernel was replaced and its state lost"
             if replaced
             else "it was interrupted"
         )
+        ename = "CancelledError" if failed is None else type(failed.error).__name__
         collected = out.collected if out is not None else Collected()
         fields: dict[str, Any] = {
             "status": "error",
-            "error": ExecError(kind="cancelled", ename="CancelledError", evalue=why),
+            "error": ExecError(kind="cancelled", ename=ename, evalue=why),
             "stdout": collected.stdout,
             "stderr": collected.stderr,
             "outputs": collected.outputs,
@@ -539,6 +563,16 @@ def _account_outputs(collected: Collected, count: protocol.OutputCount | None) -
         else:
             outputs.append({"output_type": "stream", "name": "stdout", "text": text})
     return lost
+
+
+def _callers_error(failed: CallbackFailed) -> Exception:
+    """The exception the caller's hook raised, noting what kernelexec did about it."""
+    error = failed.error
+    note = f"kernelexec: raised by the {failed.hook} callback; the run was interrupted"
+    add_note = getattr(error, "add_note", None)  # Python 3.11+
+    if callable(add_note):
+        add_note(note)
+    return error
 
 
 def _not_run(error: ExecError) -> dict[str, Any]:
