@@ -103,13 +103,15 @@ def test_a_raising_output_callback_stops_the_run_and_frees_the_kernel() -> None:
         s.run_code("kept = 1")
         with pytest.raises(ValueError, match="callback broke") as raised:
             s.run_code(TICKS, on_stdout=explode)
-        assert "raised by the on_stdout callback" in "".join(getattr(raised.value, "__notes__", [""]))
+        assert "raised by the on_stdout callback" in "".join(
+            getattr(raised.value, "__notes__", [""])
+        )
         after = s.run_code("kept + 1", timeout=20)
         assert after.ok, after.error
         assert after.result == "2" and not after.kernel_restarted
-        tool = kx.Tool.from_source("def ticks() -> None:\n" + "".join(
-            "    " + line + "\n" for line in TICKS.splitlines()
-        ))
+        tool = kx.Tool.from_source(
+            "def ticks() -> None:\n" + "".join("    " + line + "\n" for line in TICKS.splitlines())
+        )
         with pytest.raises(ValueError, match="callback broke"):
             s.call_tool(tool, {}, on_stdout=explode)
         assert s.run_code("kept + 2", timeout=20).result == "3"

@@ -392,7 +392,8 @@ class AsyncSession:
             lost = (lost or []) + await self._lease.replace()
             out = await self._send(request, timeout, callbacks)
         generation = self._lease.generation
-        fields, report = await self._finish(out, timeout, lost)
+        tool_call = protocol.is_tool_call(request)
+        fields, report = await self._finish(out, timeout, lost, tool_call=tool_call)
         fields["duration_s"] = time.monotonic() - start
         self._current = None  # the result owns its outputs now
         return fields, report, generation
@@ -407,9 +408,7 @@ class AsyncSession:
                 f"the executor was closed while a call of session {self.agent_id!r} ran"
             ) from None
 
-    async def _record_cancelled(
-        self, failed: CallbackFailed | None = None, **record: Any
-    ) -> None:
+    async def _record_cancelled(self, failed: CallbackFailed | None = None, **record: Any) -> None:
         """A call its caller cancelled, or whose output hook raised (``failed``): replace the
         kernel now if the call did not stop when interrupted (so the next call starts on a
         healthy kernel and is not blamed), and hand the observers the run as far as it went
@@ -469,10 +468,11 @@ class AsyncSession:
             max_output_chars=self._max_output,
             callbacks=callbacks,
             out=self._current,
+            fence=conn.fenced,
         )
 
     async def _finish(
-        self, out: RunOutcome, timeout: float, lost: list[str] | None
+        self, out: RunOutcome, timeout: float, lost: list[str] | None, *, tool_call: bool
     ) -> tuple[dict[str, Any], protocol.Report | None]:
         error: ExecError | None = None
         restarted = lost is not None
@@ -514,7 +514,8 @@ class AsyncSession:
                     traceback=list((collected.error or {}).get("traceback") or []),
                 )
             elif reply.get("status") != "ok" or collected.error is not None:
-                error = protocol.error_from(collected.error or reply, protocol.failure_kind(reply))
+                kind = protocol.failure_kind(reply, tool_call=tool_call)
+                error = protocol.error_from(collected.error or reply, kind)
         lost_outputs = _account_outputs(collected, protocol.output_count(reply))
         fields: dict[str, Any] = {
             "status": "error" if error else "success",

@@ -24,6 +24,8 @@ from kernelexec._tools._tool import Tool
 RESULT_MIME = kernel_side.RESULT_MIME
 CALL_REQUEST = kernel_side.CALL_REQUEST
 CALL_REPLY = kernel_side.CALL_REPLY
+FENCE_REQUEST = kernel_side.FENCE_REQUEST
+FENCE_REPLY = kernel_side.FENCE_REPLY
 _MODULE = f"__import__({kernel_side.MODULE_NAME!r})"
 REPORT_EXPRESSION = f"{_MODULE}.report()"
 _REPORT = {kernel_side.REPORT_KEY: REPORT_EXPRESSION}
@@ -215,10 +217,21 @@ def is_tool_call(request: ExecuteRequest) -> bool:
 
 def serves_calls(install_reply: dict[str, Any]) -> bool:
     """Whether the kernel side, by the reply to :func:`bootstrap_request`, serves tool calls."""
+    return "call" in _capabilities(install_reply)
+
+
+def answers_fences(install_reply: dict[str, Any]) -> bool:
+    """Whether the kernel side, by the reply to :func:`bootstrap_request`, answers
+    :data:`FENCE_REQUEST` (then a run ends on the fence's answer, see ``_core._run``)."""
+    return "fence" in _capabilities(install_reply)
+
+
+def _capabilities(install_reply: dict[str, Any]) -> list[Any]:
     for payload in _payloads(install_reply):
         if payload.get("source") == kernel_side.CAPABILITIES_PAYLOAD:
-            return "call" in (payload.get("serves") or [])
-    return False
+            serves = payload.get("serves")
+            return serves if isinstance(serves, list) else []
+    return []
 
 
 def with_configure(request: ExecuteRequest, settings: dict[str, Any]) -> ExecuteRequest:
@@ -261,9 +274,13 @@ def asked_exit(reply: dict[str, Any]) -> bool:
     return any(p.get("source") == "ask_exit" for p in _payloads(reply))
 
 
-def failure_kind(reply: dict[str, Any]) -> ErrorKind:
-    """The kind of a failed run: what kernelexec's own checks in the kernel said, else
-    ``"exception"``. An exception's name never decides it."""
+def failure_kind(reply: dict[str, Any], *, tool_call: bool) -> ErrorKind:
+    """The kind of a failed run: for a tool call, what kernelexec's own checks in the kernel
+    said, else ``"exception"``. An exception's name never decides it, nor a payload the code
+    wrote itself (the kernel side keeps only its own verdict); kernelexec checks nothing in a
+    ``run_code`` run, so its kind is always ``"exception"``."""
+    if not tool_call:
+        return "exception"
     for payload in _payloads(reply):
         if payload.get("source") == kernel_side.ERROR_PAYLOAD:
             kind = payload.get("kind")

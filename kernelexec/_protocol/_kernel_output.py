@@ -121,7 +121,7 @@ def install_flow_control(kernel: Any, streams: list[Any]) -> Gate | None:
     """Make the kernel's output wait for the host instead of being dropped (see the module's
     docstring); None when this ipykernel lacks what it needs (then nothing changes)."""
     zmq = sys.modules.get("zmq")
-    thread = getattr(kernel, "iopub_thread", None)
+    thread: Any = getattr(kernel, "iopub_thread", None)
     sock = getattr(thread, "socket", None)
     if zmq is None or sock is None or not hasattr(zmq, "XPUB_NODROP"):
         return None
