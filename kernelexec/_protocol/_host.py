@@ -102,6 +102,8 @@ def bootstrap_request(
     if fast_paths is None:
         fast_paths = os.environ.get("KERNELEXEC_NO_FAST_PATHS") != "1"
     fast_calls = fast_calls and os.environ.get("KERNELEXEC_FAST_CALLS", "1") != "0"
+    # For benchmarks that measure what flow control saves (``benchmarks/outputs.py``).
+    flow_control = os.environ.get("KERNELEXEC_NO_FLOW_CONTROL") != "1"
     code = (
         "def __kx_install():\n"
         "    import sys, types\n"
@@ -125,6 +127,7 @@ def bootstrap_request(
                 "report_expression": REPORT_EXPRESSION,
                 "fast_paths": fast_paths,
                 "fast_calls": fast_calls,
+                "flow_control": flow_control,
             }
         },
     )

@@ -467,7 +467,8 @@ def install() -> None:
     if output is not None:
         for stream in streams:
             output.decode_whole_characters(stream)
-        gate = output.install_flow_control(kernel, streams)
+        if cfg.get("flow_control", True):
+            gate = output.install_flow_control(kernel, streams)
     _state["gate"] = gate
     guarded: set[int] = set()
     for owner in (kernel, sys.stdout, sys.stderr, shell.displayhook, shell.display_pub):
