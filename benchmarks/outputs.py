@@ -129,8 +129,7 @@ def main() -> None:
     results["burst"] = bursts
     unlimited = float(str(bursts[-1]["peak_rise_mb"])) or 1.0
     print("\n20,000 outputs (10,000 prints and 10,000 displays) under a stalled on_stdout:\n")
-    header = "| row | lost | lines | displays | kernel waited | host peak RSS rise | vs unlimited | s |"
-    print(header)
+    print("| row | lost | lines | displays | kernel waited | peak RSS rise | vs unlimited | s |")
     print("|---|---|---|---|---|---|---|---|")
     for row in bursts:
         rise = float(str(row["peak_rise_mb"]))
