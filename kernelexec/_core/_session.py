@@ -554,7 +554,7 @@ def _account_outputs(collected: Collected, count: protocol.OutputCount | None) -
     if lost:
         notes.append(
             f"[kernelexec: {lost} output message(s) of {count.sent} lost: sent by the kernel, "
-            "never received (dropped in transit while the host fell behind, or refused)]"
+            "never received (refused by the host, or lost by a broken transport)]"
         )
     if count.suppressed:
         notes.append(
