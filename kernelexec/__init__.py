@@ -15,6 +15,7 @@ from kernelexec._envs._builder import BuiltEnv, EnvBuilder, EnvProgress
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import (
     BackgroundTaskError,
+    CheckpointTooLargeError,
     ConfigError,
     EnvSetupError,
     ExecutionError,
@@ -24,6 +25,7 @@ from kernelexec._exceptions import (
     KernelStartError,
     NotebookError,
     PoolExhaustedError,
+    StateError,
     ToolDefinitionError,
     ToolSchemaWarning,
 )
@@ -31,8 +33,11 @@ from kernelexec._models import (
     DEFAULT_ENV_ALLOWLIST,
     ExecError,
     Execution,
+    HibernatedAgent,
+    Hibernation,
     Isolation,
     Limits,
+    Restored,
     ToolResult,
 )
 from kernelexec._notebooks._replay import CellDifference, ReplayReport, areplay
@@ -65,6 +70,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "BackgroundTaskError",
     "BuiltEnv",
     "CellDifference",
+    "CheckpointTooLargeError",
     "ConfigError",
     "DEFAULT_ENV_ALLOWLIST",
     "EnvBuilder",
@@ -76,6 +82,8 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "ExecutionTimeout",
     "ExecutorClosedError",
     "ExecutorConfig",
+    "HibernatedAgent",
+    "Hibernation",
     "Isolation",
     "KernelExecError",
     "KernelExecutor",
@@ -85,7 +93,9 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "NotebookError",
     "PoolExhaustedError",
     "ReplayReport",
+    "Restored",
     "Session",
+    "StateError",
     "Tool",
     "ToolDefinitionError",
     "ToolResult",

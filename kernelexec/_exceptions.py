@@ -12,6 +12,8 @@ mean misuse of the API or a broken environment::
     ├── KernelStartError (RuntimeError)       a kernel did not start or become ready
     ├── EnvSetupError (RuntimeError)          a virtual environment could not be built
     ├── BackgroundTaskError (RuntimeError)    background work failed (raised at close)
+    ├── StateError (RuntimeError)             a session's state could not be saved or restored
+    │   └── CheckpointTooLargeError           ... it passes max_checkpoint_bytes
     └── ExecutionError                        raised on demand by Execution.raise_for_error()
         └── ExecutionTimeout (TimeoutError)   ... when the run timed out
 
@@ -68,6 +70,14 @@ class BackgroundTaskError(KernelExecError, RuntimeError):
     Each failure is logged when it happens and the work goes on; ``aclose()`` then raises this,
     after everything is shut down, so the failure is not lost.
     """
+
+
+class StateError(KernelExecError, RuntimeError):
+    """A session's state could not be saved to (or restored from) its ``state_dir``."""
+
+
+class CheckpointTooLargeError(StateError):
+    """A checkpoint would pass ``max_checkpoint_bytes``; the message names the biggest names."""
 
 
 class ExecutionError(KernelExecError):

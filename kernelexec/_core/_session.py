@@ -22,8 +22,17 @@ from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
+from kernelexec._durable._kernel_state import HOOK_KEY
 from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
-from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
+from kernelexec._models import (
+    ExecError,
+    Execution,
+    Hibernation,
+    Isolation,
+    RunRecord,
+    ToolResult,
+    now_iso,
+)
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import ExecuteRequest
@@ -300,9 +309,29 @@ class AsyncSession:
             if self._lease.has_kernel:
                 await self._lease.lose_state()
 
+    async def hibernate(self) -> Hibernation:
+        """Save the session's state to the executor's ``state_dir`` and give its kernel back
+        now; the next call restores it into a fresh kernel (``result.restored``).
+
+        Waits for the running call (if any). Returns what was saved and what was not, with
+        why (those names are reported lost on restore).
+
+        Raises:
+            ConfigError: the executor has no ``state_dir``.
+            CheckpointTooLargeError: the state passes ``max_checkpoint_bytes`` (the kernel and
+                its state are kept; the message names the biggest names).
+            StateError: the state could not be saved (the kernel and its state are kept).
+        """
+        async with self._lease.hold():
+            self._state.check()
+            return await self._lease.hibernate()
+
     async def aclose(self) -> None:
-        """Shut the session's kernel down; later calls raise ``ExecutorClosedError``."""
+        """Shut the session's kernel down (hibernating it first, with a ``state_dir``);
+        later calls raise ``ExecutorClosedError``."""
         self.mark_closed()
+        if self._lease.keeper is not None:
+            await self._lease.evict()
         await self._lease.release()
         if self._on_close is not None:
             await self._on_close(self)
@@ -373,6 +402,9 @@ class AsyncSession:
             out = await self._send(request, timeout, callbacks)
         generation = self._lease.generation
         fields, report = await self._finish(out, timeout, lost)
+        fields["restored"] = self._lease.take_restored()
+        if report is not None and self._lease.keeper is not None:
+            await self._lease.after_call(report.extras.get(HOOK_KEY))
         fields["duration_s"] = time.monotonic() - start
         self._current = None  # the result owns its outputs now
         return fields, report, generation
