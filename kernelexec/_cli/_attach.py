@@ -14,6 +14,7 @@ import signal
 import sys
 from typing import Any
 
+from kernelexec._cli._state import cmd_state_sessions
 from kernelexec._core._attach import live_sessions
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
@@ -26,6 +27,18 @@ def add_parsers(sub: Any) -> None:
         "sessions", help="list the live sessions of attachable executors on this machine"
     )
     sessions.add_argument("--json", action="store_true", help="print them as JSON only")
+    sessions.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="list the hibernated agents of a state_dir instead (size and age)",
+    )
+    sessions.add_argument(
+        "--delete",
+        default=None,
+        metavar="AGENT_ID",
+        help="with --state-dir: delete that agent's saved state",
+    )
     attach = sub.add_parser("attach", help="open a console on a live agent's kernel")
     attach.add_argument("agent_id", metavar="AGENT_ID")
     attach.add_argument(
@@ -37,7 +50,9 @@ def add_parsers(sub: Any) -> None:
 
 
 def cmd_sessions(ns: argparse.Namespace) -> int:
-    """Print the live sessions, as a table or JSON."""
+    """Print the live sessions (or a state_dir's hibernated agents), as a table or JSON."""
+    if ns.state_dir is not None:
+        return cmd_state_sessions(ns)
     found = [_public(e) for e in live_sessions()]
     if ns.json:
         print(json.dumps(found, indent=2))

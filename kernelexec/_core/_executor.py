@@ -21,7 +21,8 @@ from kernelexec._core._pool import KernelPool
 from kernelexec._core._session import AsyncSession
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
-from kernelexec._durable._keeper import SessionState
+from kernelexec._durable._keeper import Replayer, Runner, SessionState
+from kernelexec._durable._rebuild import replay
 from kernelexec._durable._store import StateStore
 from kernelexec._envs._builder import EnvBuilder, ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
@@ -330,6 +331,8 @@ class AsyncKernelExecutor:
                 checkpoint=cfg.checkpoint,
                 limit=cfg.max_checkpoint_bytes,
             )
+            if recorder is not None:
+                lease.keeper.replayer = _replayer(recorder)
         lease.on_evicted = lambda: self._park(key)
         lease.on_attached = lambda: self._unpark(key, lease)
         self._budget.register(lease)
@@ -538,6 +541,16 @@ class AsyncKernelExecutor:
         if session is not None and session.lease.keeper is not None:
             session.lease.keeper.deleted()
         return await asyncio.to_thread(self._store.delete, agent_id, key)
+
+
+def _replayer(recorder: SessionRecorder) -> Replayer:
+    """Rebuilds names from the cells ``recorder`` holds."""
+
+    async def rebuild(names: list[str], run: Runner) -> list[str]:
+        cells = recorder.notebook.cells
+        return await replay((c.source for c in cells if c.cell_type == "code"), names, run)
+
+    return rebuild
 
 
 def _resolve_backend(

@@ -98,8 +98,9 @@ def _crc_file(path: Path) -> int:
 
 def extract(source: Path, workdir: Path, size: int, crc: int) -> str | None:
     """Unpack an archive into ``workdir`` if that is empty; what went wrong, else None."""
-    if any(os.scandir(workdir)):
-        return None  # the session kept its directory (same executor): nothing to put back
+    with os.scandir(workdir) as entries:
+        if any(entries):
+            return None  # the session kept its directory (same executor): nothing to put back
     if os.path.getsize(source) != size or _crc_file(source) != crc:
         return "the working directory's archive is damaged; its files were not restored"
     with tarfile.open(source, mode="r") as tar:

@@ -35,7 +35,7 @@ log = logging.getLogger("kernelexec")
 Runner = Callable[[ExecuteRequest, float], Awaitable[dict[str, Any]]]
 """Runs one of kernelexec's own requests on the session's kernel; returns the reply."""
 
-Replayer = Callable[[list[str]], Awaitable[list[str]]]
+Replayer = Callable[[list[str], Runner], Awaitable[list[str]]]
 """Rebuilds names by replaying the recorded cells that made them; returns those rebuilt."""
 
 _KEY = "kx_state"
@@ -159,7 +159,7 @@ class SessionState:
             await asyncio.to_thread(_clear_staging, self.staging)
         replayed: list[str] = []
         if not_restored and self.replayer is not None:
-            replayed = await self.replayer(sorted(not_restored))
+            replayed = await self.replayer(sorted(not_restored), run)
             for name in replayed:
                 not_restored.pop(name, None)
         for p in problems:
@@ -311,8 +311,9 @@ class SessionState:
     # -- losing -------------------------------------------------------------------------------
 
     def kernel_gone(self) -> None:
-        """The kernel went after a successful save: the next fresh kernel gets the state."""
-        self._to_restore = self._manifest is not None
+        """The kernel went after a successful save: the next fresh kernel gets the state, read
+        from disk again then (what is restored is what the disk holds, checked)."""
+        self._loaded = False
 
     async def invalidate(self) -> None:
         """The kernel's state was lost another way (a crash, a failed save): the checkpoint

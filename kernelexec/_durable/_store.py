@@ -167,18 +167,23 @@ class StateStore:
         where = self.agent_dir(manifest.agent_id, manifest.env)
         where.mkdir(parents=True, exist_ok=True, mode=0o700)
         moved = 0
-        for rec in manifest.records:
-            name = rec.get("file")
-            if not name:
-                continue
-            if not _RECORD.match(str(name)):
-                raise OSError(errno.EINVAL, f"bad record name {name!r}")
-            if (where / name).exists():
-                continue
-            if staging is None:
-                raise OSError(errno.ENOENT, f"record {name} is missing")
-            _take(staging / name, where / name, int(rec["size"]))
-            moved += int(rec["size"])
+        staged_fd = _open_staging(staging) if staging is not None else None
+        try:
+            for rec in manifest.records:
+                name = rec.get("file")
+                if not name:
+                    continue
+                if not _RECORD.match(str(name)):
+                    raise OSError(errno.EINVAL, f"bad record name {name!r}")
+                if (where / name).exists():
+                    continue
+                if staged_fd is None:
+                    raise OSError(errno.ENOENT, f"record {name} is missing")
+                _take(staged_fd, str(name), where / name, int(rec["size"]))
+                moved += int(rec["size"])
+        finally:
+            if staged_fd is not None:
+                os.close(staged_fd)
         current = where / MANIFEST
         if current.exists():
             write_atomic(where / PREVIOUS, current.read_bytes())
@@ -245,19 +250,29 @@ class StateStore:
                     os.unlink(where / entry)
 
 
-def _take(staged: Path, target: Path, size: int) -> None:
+def _open_staging(staging: Path) -> int | None:
+    """The kernel's staging directory, opened without following a link (the kernel may have
+    put one there); None when there is none."""
+    try:
+        return os.open(staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return None
+
+
+def _take(staging_fd: int, name: str, target: Path, size: int) -> None:
     """Move a file the kernel staged into the private directory, accepting only a plain file
     with one link of ``size`` bytes; it is the host's, 0600 and synced afterwards."""
     try:
-        os.rename(staged, target)  # once inside the private directory, the kernel cannot swap it
+        # Once inside the private directory, the kernel cannot swap it any more.
+        os.rename(name, target, src_dir_fd=staging_fd)
     except OSError as exc:
         if exc.errno != errno.EXDEV:
             raise
-        _copy_in(staged, target)
+        _copy_in(staging_fd, name, target)
     try:
         st = os.lstat(target)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != size:
-            raise OSError(errno.EINVAL, f"staged record {staged.name} is not a plain file")
+            raise OSError(errno.EINVAL, f"staged record {name} is not a plain file")
         fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW)
         try:
             os.fchown(fd, os.geteuid(), os.getegid())
@@ -271,12 +286,12 @@ def _take(staged: Path, target: Path, size: int) -> None:
         raise
 
 
-def _copy_in(staged: Path, target: Path) -> None:
-    src = os.open(staged, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+def _copy_in(staging_fd: int, name: str, target: Path) -> None:
+    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=staging_fd)
     try:
         st = os.fstat(src)
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            raise OSError(errno.EINVAL, f"staged record {staged.name} is not a plain file")
+            raise OSError(errno.EINVAL, f"staged record {name} is not a plain file")
         dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
             with open(src, "rb", closefd=False) as fin, open(dst, "wb", closefd=False) as fout:
@@ -286,7 +301,7 @@ def _copy_in(staged: Path, target: Path) -> None:
     finally:
         os.close(src)
     with contextlib.suppress(OSError):
-        os.unlink(staged)
+        os.unlink(name, dir_fd=staging_fd)
 
 
 def encode_manifest(manifest: Manifest) -> bytes:
