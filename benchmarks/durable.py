@@ -10,8 +10,9 @@ Rows, each with its baseline measured in the same run:
   fresh kernel, nothing to restore) in the same executor.
 - ``large``: ``hibernate()`` and the restoring call of 256 MiB of bytes plus a list of 2 million
   ints.
-- ``after_call``: a warm tool call that changes nothing, with ``checkpoint="after_call"`` and
-  without a ``state_dir`` (p50 over 400 calls each, interleaved).
+- ``after_call``: a warm tool call that changes nothing, with ``checkpoint="after_call"``,
+  with the default ``"on_evict"`` and without a ``state_dir`` (p50 over 1,000 calls each,
+  interleaved).
 
 Usage: ``.venv/bin/python benchmarks/durable.py [--agents N]``; writes
 ``benchmarks/results/durable.json``.
@@ -117,23 +118,25 @@ def _add(a: int, b: int) -> int:
     return a + b
 
 
-async def after_call_row(calls: int = 400) -> dict[str, object]:
+async def after_call_row(calls: int = 1000) -> dict[str, object]:
     tool = kx.Tool.from_function(_add)
-    with tempfile.TemporaryDirectory() as state:
+    with tempfile.TemporaryDirectory() as one, tempfile.TemporaryDirectory() as two:
         async with (
-            kx.AsyncKernelExecutor(state_dir=state, checkpoint="after_call") as durable,
+            kx.AsyncKernelExecutor(state_dir=one, checkpoint="after_call") as after,
+            kx.AsyncKernelExecutor(state_dir=two) as on_evict,
             kx.AsyncKernelExecutor() as plain,
         ):
             sessions = {
-                "after_call": await durable.session("a"),
+                "after_call": await after.session("a"),
+                "on_evict": await on_evict.session("a"),
                 "no_state_dir": await plain.session("a"),
             }
             times: dict[str, list[float]] = {k: [] for k in sessions}
             for s in sessions.values():
                 await s.run_code("x = 1\nitems = list(range(100))\ntext = 'hello' * 20")
-                for _ in range(20):
+                for _ in range(50):
                     await s.call_tool(tool, {"a": 1, "b": 2})
-            for _ in range(calls):
+            for _ in range(calls):  # interleaved, so load changes hit all three alike
                 for name, s in sessions.items():
                     start = time.perf_counter()
                     out = await s.call_tool(tool, {"a": 1, "b": 2})
@@ -143,6 +146,7 @@ async def after_call_row(calls: int = 400) -> dict[str, object]:
     return {
         "calls": calls,
         "after_call_p50_ms": round(p50["after_call"], 3),
+        "on_evict_p50_ms": round(p50["on_evict"], 3),
         "baseline_no_state_dir_p50_ms": round(p50["no_state_dir"], 3),
         "overhead_ms": round(p50["after_call"] - p50["no_state_dir"], 3),
     }

@@ -304,3 +304,55 @@ def test_a_256_mib_namespace_restores(tmp_path: Path) -> None:
         back = s.run_code("print(len(blob), ints[-1], sum(ints[:10]))")
         assert back.stdout == f"{256 * 1024 * 1024} 1999999 45\n"
         assert back.restored is not None and back.restored.names == ["blob", "ints"]
+
+
+@pytest.mark.parametrize(
+    "level",
+    [
+        "none",
+        "process",
+        pytest.param(
+            "bwrap",
+            marks=pytest.mark.skipif(
+                __import__("shutil").which("bwrap") is None, reason="needs bubblewrap"
+            ),
+        ),
+    ],
+)
+def test_every_isolation_level_hibernates_and_resumes(tmp_path: Path, level: str) -> None:
+    state = tmp_path / "state"
+    with _ex(state, isolation=level) as ex:
+        ex.run_code(
+            "def triple(v):\n    return 3 * v\n"
+            f"seen = {{'level': {level!r}}}\n"
+            "open('f.txt', 'w').write('w')",
+            agent_id="iso",
+        ).raise_for_error()
+        assert ex.session("iso").hibernate().saved == ["seen", "triple"]
+        back = ex.run_code("print(triple(2), seen['level'], open('f.txt').read())", agent_id="iso")
+        assert back.stdout == f"6 {level} w\n", back
+    with _ex(state, isolation=level) as ex:
+        again = ex.run_code("print(triple(3), open('f.txt').read())", agent_id="iso")
+        assert again.stdout == "9 w\n", again
+
+
+def test_a_venv_kernel_saves_functions_by_value(tmp_path: Path) -> None:
+    env = kx.VenvEnv()
+    state = tmp_path / "state"
+    with _ex(state, env=env, cache_dir=tmp_path / "cache") as ex:
+        ex.run_code("class K:\n    v = 5\ndef make():\n    return K()\nk = make()", agent_id="v")
+        assert ex.session("v").hibernate().saved == ["K", "k", "make"]
+        back = ex.run_code(
+            "import sys\nprint(make().v + k.v, sys.prefix != sys.base_prefix)", agent_id="v"
+        )
+        assert back.stdout == "10 True\n", back
+        assert back.restored is not None and back.lost_variables == []
+
+
+def test_the_gateway_backend_refuses_a_state_dir_clearly(tmp_path: Path) -> None:
+    from kernelexec.backends import GatewayBackend
+
+    with pytest.raises(kx.ConfigError, match="does not support durable sessions"):
+        kx.KernelExecutor(
+            backend=GatewayBackend("http://127.0.0.1:9"), state_dir=tmp_path / "state"
+        )

@@ -330,6 +330,7 @@ class AsyncKernelExecutor:
                 workdir,
                 checkpoint=cfg.checkpoint,
                 limit=cfg.max_checkpoint_bytes,
+                same_user=self.isolation_of(env).level == "none",
             )
             if recorder is not None:
                 lease.keeper.replayer = _replayer(recorder)

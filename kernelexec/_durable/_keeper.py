@@ -69,6 +69,8 @@ class SessionState:
         workdir: The session's working directory (the host's path; kernels see the same).
         checkpoint: ``"on_evict"`` or ``"after_call"``.
         limit: Most bytes of one checkpoint.
+        same_user: The kernel runs as the host's user (isolation ``"none"``): a restore links
+            the records where the kernel reads them instead of copying them.
     """
 
     def __init__(
@@ -80,6 +82,7 @@ class SessionState:
         *,
         checkpoint: Literal["on_evict", "after_call"],
         limit: int,
+        same_user: bool = False,
     ) -> None:
         self.store = store
         self.agent_id = agent_id
@@ -87,6 +90,7 @@ class SessionState:
         self.workdir = workdir
         self.checkpoint = checkpoint
         self.limit = limit
+        self.same_user = same_user
         self.replayer: Replayer | None = None
         self._manifest: Manifest | None = None
         self._problems: list[str] = []
@@ -192,8 +196,16 @@ class SessionState:
         dir_fd = os.open(self.staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
         try:
             for rec in manifest.records:
-                if rec.get("file"):
-                    _copy_out(where / str(rec["file"]), str(rec["file"]), dir_fd)
+                if not rec.get("file"):
+                    continue
+                source, name = where / str(rec["file"]), str(rec["file"])
+                if self.same_user:
+                    try:
+                        os.link(source, name, dst_dir_fd=dir_fd)
+                        continue
+                    except OSError:  # another filesystem: copy
+                        pass
+                _copy_out(source, name, dir_fd)
         finally:
             os.close(dir_fd)
         return problem

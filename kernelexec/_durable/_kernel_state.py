@@ -378,8 +378,9 @@ def _read(path: str, rec: dict[str, Any]) -> bytes:
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
             raise OSError("the record is not a regular file")
-        data = f.read(int(rec["size"]) + 1)
-    if len(data) != int(rec["size"]) or zlib.crc32(data) != int(rec["crc"]):
+        data = f.read(int(rec["size"]))  # exactly: a longer read would be shrunk by a copy
+        longer = f.read(1)
+    if longer or len(data) != int(rec["size"]) or zlib.crc32(data) != int(rec["crc"]):
         raise ValueError("the checkpoint record is damaged (size or checksum differ)")
     return data
 
