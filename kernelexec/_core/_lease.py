@@ -184,13 +184,18 @@ class KernelLease:
 
         Raises:
             ConfigError: the executor has no ``state_dir``.
-            StateError: the state could not be saved (the kernel is kept).
+            StateError: the state could not be saved (the kernel is kept, the older
+                checkpoint deleted).
         """
         if self.keeper is None:
             raise ConfigError("hibernate() needs an executor with a state_dir")
         if self._conn is None:
             return await self.keeper.on_disk()
-        saved = await self.keeper.save(self._run, self.generation)
+        try:
+            saved = await self.keeper.save(self._run, self.generation)
+        except StateError:
+            await self.keeper.invalidate()  # the kernel keeps the state; the disk never lags it
+            raise
         self.keeper.kernel_gone()
         await self._give_back()
         return saved
