@@ -23,7 +23,7 @@ from kernelexec._models import Hibernation, Restored
 from kernelexec._protocol._host import ExecuteRequest
 from kernelexec.backends._base import KernelConnection
 
-log = logging.getLogger("kernelexec")
+log = logging.getLogger("kernelexec.kernel")
 
 
 class KernelWatcher(Protocol):
@@ -113,6 +113,12 @@ class KernelLease:
             missing = await self._attached()
             if missing:
                 lost = (lost or []) + missing
+            log.info(
+                "agent %r: kernel %d attached (pid %s)",
+                self.agent_id,
+                self.generation,
+                self._conn.kernel_pid() or "-",
+            )
             if self.on_attached is not None:
                 self.on_attached()
         return self._conn, lost
@@ -155,6 +161,13 @@ class KernelLease:
                 self._lost = (self._lost or []) + lost
                 raise
             await self._attached()
+            log.info(
+                "agent %r: kernel %d replaces the last one (pid %s); %d variable(s) lost",
+                self.agent_id,
+                self.generation,
+                self._conn.kernel_pid() or "-",
+                len(lost),
+            )
         return lost
 
     async def lose_state(self) -> None:
