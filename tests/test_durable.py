@@ -3,6 +3,7 @@ and checkpoints that are private, checked and never loaded into the wrong sessio
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import stat
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from kernelexec._cli._main import main as cli_main
 from kernelexec._durable._store import MANIFEST, PREVIOUS, StateStore, agent_key
 from kernelexec._sandbox import _cgroups
 from kernelexec._tempdirs import sweep_stale
+from tests.conftest import wait_exited
 
 pytestmark = pytest.mark.slow  # every test starts kernels of its own
 
@@ -356,3 +359,31 @@ def test_the_gateway_backend_refuses_a_state_dir_clearly(tmp_path: Path) -> None
         kx.KernelExecutor(
             backend=GatewayBackend("http://127.0.0.1:9"), state_dir=tmp_path / "state"
         )
+
+
+def test_an_idle_culled_session_is_hibernated_and_restored(tmp_path: Path) -> None:
+    culled = threading.Event()
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if "idle kernel of 'idle'" in record.getMessage():
+                culled.set()
+
+    handler = Watch()
+    logger = logging.getLogger("kernelexec")
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        with _ex(tmp_path / "state", idle_timeout=0.3) as ex:
+            s = ex.session("idle")
+            made = s.run_code("z = 41; __import__('os').getpid()")
+            assert made.result is not None
+            assert culled.wait(30)
+            assert wait_exited(int(made.result))
+            back = s.run_code("z + 1")
+            assert back.result == "42"
+            assert back.restored is not None and back.restored.names == ["z"]
+            assert back.kernel_restarted is False and back.lost_variables == []
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(logging.NOTSET)

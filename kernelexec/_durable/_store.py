@@ -185,9 +185,10 @@ class StateStore:
             if staged_fd is not None:
                 os.close(staged_fd)
         current = where / MANIFEST
-        if current.exists():
-            write_atomic(where / PREVIOUS, current.read_bytes())
-        write_atomic(current, encode_manifest(manifest))
+        with contextlib.suppress(FileNotFoundError):
+            # A crash between the two steps leaves only the fall-back: still a whole state.
+            os.replace(current, where / PREVIOUS)
+        write_atomic(current, encode_manifest(manifest))  # syncs the directory (both renames)
         self._collect(where)
         return moved
 
