@@ -387,3 +387,18 @@ def test_an_idle_culled_session_is_hibernated_and_restored(tmp_path: Path) -> No
     finally:
         logger.removeHandler(handler)
         logger.setLevel(logging.NOTSET)
+
+
+def test_an_after_call_checkpoint_too_large_stops_and_deletes_the_stale_one(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    with _ex(state, checkpoint="after_call", max_checkpoint_bytes=50_000) as ex:
+        s = ex.session("grow")
+        s.run_code("small = 1").raise_for_error()
+        assert (_agent_dir(state, "grow") / MANIFEST).exists()
+        s.run_code("big = b'x' * 80_000").raise_for_error()  # the call itself succeeds
+        assert not (_agent_dir(state, "grow") / MANIFEST).exists()  # no stale checkpoint
+        assert s.run_code("print(len(big), small)").stdout == "80000 1\n"
+        with pytest.raises(kx.CheckpointTooLargeError, match=r"big \(80000 bytes\)"):
+            s.hibernate()

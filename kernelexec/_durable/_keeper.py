@@ -97,6 +97,7 @@ class SessionState:
         self._loaded = False
         self._to_restore = False
         self._installed_in = -1
+        self._hook_broken = False  # an after-call checkpoint failed: off until the next kernel
         self._files: tuple[_files.Signature, dict[str, Any] | None] | None = None
 
     @property
@@ -110,6 +111,7 @@ class SessionState:
         """A fresh kernel (number ``generation``) is attached: restore the saved state into it
         when there is one; return what came back and the names that did not."""
         self._installed_in = -1
+        self._hook_broken = False
         if not self._loaded:
             self._loaded = True
             self._manifest, self._problems = await asyncio.to_thread(
@@ -265,8 +267,14 @@ class SessionState:
                 raise _too_large(answer)
             await asyncio.to_thread(self._commit, answer)
         except (StateError, OSError) as exc:
-            log.warning("agent %r: after-call checkpoint failed: %s", self.agent_id, exc)
+            log.warning(
+                "agent %r: after-call checkpoint failed (checkpoints stop until the session's "
+                "next kernel; its saved state is deleted): %s",
+                self.agent_id,
+                exc,
+            )
             await asyncio.to_thread(self._invalidate)
+            self._hook_broken = True
             with contextlib.suppress(StateError):
                 await self._ask(run, generation, "forget", {})
         finally:
@@ -367,7 +375,7 @@ class SessionState:
             meta["hook"] = {
                 "staging": str(self.staging),
                 "limit": self.limit,
-                "on": self.checkpoint == "after_call",
+                "on": self.checkpoint == "after_call" and not self._hook_broken,
             }
         request = ExecuteRequest(
             code=_INSTALL,
