@@ -4,15 +4,18 @@ when the kernel has it, so that functions and classes defined in the kernel are 
 
 A checkpoint is a set of records, each one file in the staging directory:
 
-- ``raw``: one name whose value is ``bytes``, written as is (no copy through pickle);
-- ``atom``: one name whose value is an immutable scalar or string, pickled alone;
+- ``raw``: one name whose value is ``bytes`` of 64 KiB or more, written as is (no copy
+  through pickle);
+- ``atoms``: every name whose value is an immutable scalar, string or small ``bytes``,
+  pickled together (one file, one ``fsync``);
 - ``module``: one name bound to an imported module, saved as the import (no file);
 - ``group``: every other name, pickled as one graph (objects shared between names stay
   shared), protocol 5 with large buffers written out of band after the pickle.
 
-Incremental: the module remembers what it saved last (per checkpoint generation). An atom whose
-object is the same (same ``id``, immutable) is not written again; the group is pickled and only
-written when its checksum changed. Every record carries its size and CRC-32, checked here
+Incremental: the module remembers what it saved last (per checkpoint generation). A raw name,
+or the atoms as a whole, bound to the same objects as then (same ``id``: immutable, and kept
+alive by the memory) is not written again; the group is pickled and only written when its
+checksum changed. Every record carries its size and CRC-32, checked here
 before a value is loaded, so a damaged or truncated file is never loaded as a wrong value.
 """
 
@@ -56,7 +59,8 @@ _REFUSED: tuple[tuple[Any, str], ...] = (
     (types.FrameType, "a frame"),
     (types.TracebackType, "a traceback"),
 )
-_last: dict[str, Any] = {"gen": None, "atoms": {}, "group": None, "env": None}
+_RAW_MIN = 64 * 1024
+_last: dict[str, Any] = {"gen": None, "raw": {}, "atoms": None, "group": None, "env": None}
 
 
 class Refused(Exception):
@@ -159,9 +163,9 @@ def _split(ns: dict[str, Any], names: list[str]) -> tuple[dict[str, Any], ...]:
     raw, atoms, modules, group = {}, {}, {}, {}
     for name in names:
         value = ns[name]
-        if type(value) is bytes:
+        if type(value) is bytes and len(value) >= _RAW_MIN:
             raw[name] = value
-        elif type(value) in _ATOMS:
+        elif type(value) in _ATOMS or type(value) is bytes:
             atoms[name] = value
         elif isinstance(value, types.ModuleType) and getattr(value, "__name__", None):
             modules[name] = value
@@ -187,21 +191,24 @@ def _save(staging: str, base_gen: int | None, new_gen: int, limit: int, full: bo
     ns = _user_ns()
     names = _user_names()
     reuse = base_gen is not None and _last["gen"] == base_gen
-    old_atoms: dict[str, Any] = _last["atoms"] if reuse else {}
+    old_raw: dict[str, Any] = _last["raw"] if reuse else {}
+    old_atoms = _last["atoms"] if reuse else None
     old_group = _last["group"] if reuse else None
     raw, atoms, modules, group = _split(ns, names)
     pickler, serialiser = _pickler_class()
     unsaved: dict[str, str] = {}
     records: list[dict[str, Any]] = []
-    pending: list[tuple[str, Any]] = []  # new atom records to write: (name, value)
-    kept_atoms: dict[str, Any] = {}
-    for name, value in {**raw, **atoms}.items():
-        prev = old_atoms.get(name)
+    pending: list[tuple[str, Any]] = []  # new raw records to write: (name, value)
+    kept_raw: dict[str, Any] = {}
+    for name, value in raw.items():
+        prev = old_raw.get(name)
         if prev is not None and prev[0] is value:
             records.append(prev[1])
-            kept_atoms[name] = prev
+            kept_raw[name] = prev
         else:
             pending.append((name, value))
+    atoms_key = tuple((n, id(v)) for n, v in atoms.items())
+    atoms_same = old_atoms is not None and old_atoms[0] == atoms_key
     for name, module in modules.items():
         records.append({"kind": "module", "names": [name], "module": module.__name__})
     data, group_names = b"", sorted(group)
@@ -213,21 +220,27 @@ def _save(staging: str, base_gen: int | None, new_gen: int, limit: int, full: bo
     env = dict(os.environ)
     shape = (tuple(names), tuple((n, m.__name__) for n, m in modules.items()), tuple(unsaved))
     same = reuse and not pending and (group_same or not group_names) and env == _last["env"]
+    same = same and (atoms_same or not atoms)
     if not full and same and shape == _last.get("shape"):
         return None  # nothing changed since the last checkpoint: the fast path
     os.makedirs(staging, exist_ok=True)
     _check_staging(staging)
-    sizes = {r["names"][0]: r.get("size", 0) for r in records}
+    sizes = {r["names"][0]: r.get("size", 0) for r in records if r["kind"] == "raw"}
     for name, value in pending:
-        if type(value) is bytes:
-            file, size, crc, _ = _write(staging, value)
-            rec = {"kind": "raw", "names": [name], "file": file, "size": size, "crc": crc}
-        else:
-            file, size, crc, _ = _write(staging, pickle.dumps(value, protocol=5))
-            rec = {"kind": "atom", "names": [name], "file": file, "size": size, "crc": crc}
+        file, size, crc, _ = _write(staging, value)
+        rec = {"kind": "raw", "names": [name], "file": file, "size": size, "crc": crc}
         records.append(rec)
-        kept_atoms[name] = (value, rec)
+        kept_raw[name] = (value, rec)
         sizes[name] = size
+    new_atoms = None
+    if atoms:
+        if atoms_same and old_atoms is not None:
+            rec = old_atoms[2]
+        else:
+            file, size, crc, _ = _write(staging, pickle.dumps(atoms, protocol=5))
+            rec = {"kind": "atoms", "names": list(atoms), "file": file, "size": size, "crc": crc}
+        records.append(rec)
+        new_atoms = (atoms_key, tuple(atoms.values()), rec)
     new_group = None
     if group_names:
         if group_same and old_group is not None:
@@ -242,9 +255,12 @@ def _save(staging: str, base_gen: int | None, new_gen: int, limit: int, full: bo
     if total > limit:
         for name in group_names:
             sizes[name] = _size_of(group[name], pickler)
+        for name, value in atoms.items():
+            sizes[name] = len(pickle.dumps(value, protocol=5))
         biggest = sorted(sizes.items(), key=lambda kv: -kv[1])[:5]
         return {"too_large": total, "limit": limit, "biggest": biggest, "records": records}
-    _last.update(gen=new_gen, atoms=kept_atoms, group=new_group, env=env, shape=shape)
+    _last.update(gen=new_gen, raw=kept_raw, atoms=new_atoms, group=new_group, env=env)
+    _last["shape"] = shape
     return {
         "gen": new_gen,
         "records": records,
@@ -308,7 +324,7 @@ def _check_staging(staging: str) -> None:
 
 def forget() -> None:
     """Drop what was remembered of the last save (the next save writes everything)."""
-    _last.update(gen=None, atoms={}, group=None, env=None, shape=None)
+    _last.update(gen=None, raw={}, atoms=None, group=None, env=None, shape=None)
 
 
 # -- restoring --------------------------------------------------------------------------------
@@ -323,8 +339,8 @@ def restore(staging: str, cwd: str, records: list[dict[str, Any]], gen: int) -> 
     ns = _user_ns()
     restored: list[str] = []
     lost: dict[str, str] = {}
-    atoms: dict[str, Any] = {}
-    group = None
+    raw: dict[str, Any] = {}
+    atoms = group = None
     for rec in records:
         names = [str(n) for n in rec.get("names", [])]
         try:
@@ -335,11 +351,14 @@ def restore(staging: str, cwd: str, records: list[dict[str, Any]], gen: int) -> 
             continue
         ns.update(values)
         restored.extend(values)
-        if rec["kind"] in ("raw", "atom"):
-            atoms[names[0]] = (values[names[0]], rec)
+        if rec["kind"] == "raw":
+            raw[names[0]] = (values[names[0]], rec)
+        elif rec["kind"] == "atoms":
+            atoms = (tuple((n, id(values[n])) for n in names), tuple(values.values()), rec)
         elif rec["kind"] == "group":
             group = ((int(rec["crc"]), tuple(names)), rec)
-    _last.update(gen=gen if not lost else None, atoms=atoms, group=group, env=None, shape=None)
+    _last.update(gen=gen if not lost else None, raw=raw, atoms=atoms, group=group, env=None)
+    _last["shape"] = None
     return _Answer({"restored": sorted(restored), "lost": lost})
 
 
@@ -359,8 +378,11 @@ def _load(staging: str, rec: dict[str, Any]) -> dict[str, Any]:
     data = _read(os.path.join(staging, os.path.basename(str(rec["file"]))), rec)
     if kind == "raw":
         return {names[0]: bytes(data)}
-    if kind == "atom":
-        return {names[0]: pickle.loads(data)}
+    if kind == "atoms":
+        values = pickle.loads(data)
+        if not isinstance(values, dict) or list(values) != list(names):
+            raise ValueError("the checkpoint's atoms do not match its manifest")
+        return values
     parts = [int(p) for p in rec["parts"]]
     view = memoryview(data)
     head, offset, buffers = view[: parts[0]], parts[0], []
