@@ -402,3 +402,17 @@ def test_an_after_call_checkpoint_too_large_stops_and_deletes_the_stale_one(
         assert s.run_code("print(len(big), small)").stdout == "80000 1\n"
         with pytest.raises(kx.CheckpointTooLargeError, match=r"big \(80000 bytes\)"):
             s.hibernate()
+
+
+def test_replay_after_a_restart_uses_the_recording_on_disk(tmp_path: Path) -> None:
+    state, records = tmp_path / "state", tmp_path / "records"
+    with _ex(state, record_dir=records) as ex:
+        ex.run_code(
+            "path = 'log.txt'\nopen(path, 'w').write('two\\n')", agent_id="r"
+        ).raise_for_error()
+        ex.run_code("fh = open(path)", agent_id="r").raise_for_error()
+    with _ex(state, record_dir=records) as ex:
+        back = ex.run_code("print(fh.read().strip())", agent_id="r")
+        assert back.stdout == "two\n", back
+        assert back.restored is not None and back.restored.replayed == ["fh"]
+        assert back.lost_variables == []

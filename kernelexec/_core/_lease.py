@@ -265,9 +265,11 @@ class KernelLease:
         self._tell(self._conn)
         if self.keeper is None:
             return []
-        restored, missing = await self.keeper.attached(self._run, self.generation)
+        conn = self._conn
+        restored, missing = await self.keeper.attached(
+            self._run, self.generation, lambda: conn.enter_workdir(self._workdir)
+        )
         if restored is not None:
-            await self._conn.enter_workdir(self._workdir)  # restored files are the kernel's
             self._restored = restored
             self._names = tuple(restored.names)
         return missing

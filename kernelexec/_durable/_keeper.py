@@ -107,9 +107,12 @@ class SessionState:
 
     # -- a fresh kernel -----------------------------------------------------------------------
 
-    async def attached(self, run: Runner, generation: int) -> tuple[Restored | None, list[str]]:
+    async def attached(
+        self, run: Runner, generation: int, hand_over: Callable[[], Awaitable[None]]
+    ) -> tuple[Restored | None, list[str]]:
         """A fresh kernel (number ``generation``) is attached: restore the saved state into it
-        when there is one; return what came back and the names that did not."""
+        when there is one; return what came back and the names that did not. ``hand_over``
+        gives the working directory (restored files included) to the kernel's user."""
         self._installed_in = -1
         self._hook_broken = False
         if not self._loaded:
@@ -121,7 +124,7 @@ class SessionState:
         restored, lost = None, []
         if self._to_restore:
             self._to_restore = False
-            restored = await self._restore(run, generation)
+            restored = await self._restore(run, generation, hand_over)
             lost = sorted(restored.not_restored)
         elif self.checkpoint == "after_call":
             try:
@@ -130,7 +133,9 @@ class SessionState:
                 log.warning("agent %r: after-call checkpoints are off: %s", self.agent_id, exc)
         return restored, lost
 
-    async def _restore(self, run: Runner, generation: int) -> Restored:
+    async def _restore(
+        self, run: Runner, generation: int, hand_over: Callable[[], Awaitable[None]]
+    ) -> Restored:
         start = time.monotonic()
         manifest, problems = self._manifest, list(self._problems)
         self._problems = []
@@ -143,6 +148,7 @@ class SessionState:
             problem = await asyncio.to_thread(self._stage_for_restore, manifest)
             if problem:
                 problems.append(problem)
+            await hand_over()  # the restored files are the kernel's before any code runs
             answer = await self._ask(
                 run,
                 generation,
