@@ -6,11 +6,11 @@ The async core is :class:`AsyncKernelExecutor` / :class:`AsyncSession`; :class:`
 :class:`KernelExecError`.
 """
 
-import importlib
+import importlib as _importlib
+import typing as _typing
 from importlib import metadata as _metadata
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
     from kernelexec._config import ExecutorConfig
     from kernelexec._core._executor import AsyncKernelExecutor
     from kernelexec._core._session import AsyncSession
@@ -24,14 +24,32 @@ if TYPE_CHECKING:
         ExecutionError,
         ExecutionTimeout,
         ExecutorClosedError,
+        FileTransferError,
         KernelExecError,
         KernelStartError,
         NotebookError,
+        PathRefusedError,
         PoolExhaustedError,
+        SessionFileError,
+        SetupCodeError,
         StateError,
         ToolDefinitionError,
         ToolSchemaWarning,
     )
+    from kernelexec._files._blocking import (
+        BlockingBackgroundCommand,
+        BlockingFileReader,
+        BlockingFileWriter,
+        SessionCommands,
+        SessionFiles,
+    )
+    from kernelexec._files._commands import (
+        AsyncSessionCommands,
+        BackgroundCommand,
+        CommandResult,
+    )
+    from kernelexec._files._session import AsyncSessionFiles, FileReader, FileWriter
+    from kernelexec._files._wire import FileInfo
     from kernelexec._models import (
         DEFAULT_ENV_ALLOWLIST,
         ExecError,
@@ -53,10 +71,17 @@ _EXPORTS: dict[str, str] = {
     "areplay": "kernelexec._notebooks._replay",
     "AsyncKernelExecutor": "kernelexec._core._executor",
     "AsyncSession": "kernelexec._core._session",
+    "AsyncSessionCommands": "kernelexec._files._commands",
+    "AsyncSessionFiles": "kernelexec._files._session",
+    "BackgroundCommand": "kernelexec._files._commands",
     "BackgroundTaskError": "kernelexec._exceptions",
+    "BlockingBackgroundCommand": "kernelexec._files._blocking",
+    "BlockingFileReader": "kernelexec._files._blocking",
+    "BlockingFileWriter": "kernelexec._files._blocking",
     "BuiltEnv": "kernelexec._envs._builder",
     "CellDifference": "kernelexec._notebooks._replay",
     "CheckpointTooLargeError": "kernelexec._exceptions",
+    "CommandResult": "kernelexec._files._commands",
     "ConfigError": "kernelexec._exceptions",
     "DEFAULT_ENV_ALLOWLIST": "kernelexec._models",
     "EnvBuilder": "kernelexec._envs._builder",
@@ -68,6 +93,10 @@ _EXPORTS: dict[str, str] = {
     "ExecutionTimeout": "kernelexec._exceptions",
     "ExecutorClosedError": "kernelexec._exceptions",
     "ExecutorConfig": "kernelexec._config",
+    "FileInfo": "kernelexec._files._wire",
+    "FileReader": "kernelexec._files._session",
+    "FileTransferError": "kernelexec._exceptions",
+    "FileWriter": "kernelexec._files._session",
     "HibernatedAgent": "kernelexec._models",
     "Hibernation": "kernelexec._models",
     "Isolation": "kernelexec._models",
@@ -77,11 +106,16 @@ _EXPORTS: dict[str, str] = {
     "Limits": "kernelexec._models",
     "LocalEnv": "kernelexec._envs._envs",
     "NotebookError": "kernelexec._exceptions",
+    "PathRefusedError": "kernelexec._exceptions",
     "PoolExhaustedError": "kernelexec._exceptions",
     "replay": "kernelexec._sync",
     "ReplayReport": "kernelexec._notebooks._replay",
     "Restored": "kernelexec._models",
     "Session": "kernelexec._sync",
+    "SessionCommands": "kernelexec._files._blocking",
+    "SessionFileError": "kernelexec._exceptions",
+    "SessionFiles": "kernelexec._files._blocking",
+    "SetupCodeError": "kernelexec._exceptions",
     "StateError": "kernelexec._exceptions",
     "Tool": "kernelexec._tools._tool",
     "ToolDefinitionError": "kernelexec._exceptions",
@@ -91,11 +125,11 @@ _EXPORTS: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'kernelexec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_importlib.import_module(module), name)
     globals()[name] = value
     return value
 
@@ -127,10 +161,17 @@ def unload_ipython_extension(ipython: object) -> None:
 __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "AsyncKernelExecutor",
     "AsyncSession",
+    "AsyncSessionCommands",
+    "AsyncSessionFiles",
+    "BackgroundCommand",
     "BackgroundTaskError",
+    "BlockingBackgroundCommand",
+    "BlockingFileReader",
+    "BlockingFileWriter",
     "BuiltEnv",
     "CellDifference",
     "CheckpointTooLargeError",
+    "CommandResult",
     "ConfigError",
     "DEFAULT_ENV_ALLOWLIST",
     "EnvBuilder",
@@ -142,6 +183,10 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "ExecutionTimeout",
     "ExecutorClosedError",
     "ExecutorConfig",
+    "FileInfo",
+    "FileReader",
+    "FileTransferError",
+    "FileWriter",
     "HibernatedAgent",
     "Hibernation",
     "Isolation",
@@ -151,10 +196,15 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "Limits",
     "LocalEnv",
     "NotebookError",
+    "PathRefusedError",
     "PoolExhaustedError",
     "ReplayReport",
     "Restored",
     "Session",
+    "SessionCommands",
+    "SessionFileError",
+    "SessionFiles",
+    "SetupCodeError",
     "StateError",
     "Tool",
     "ToolDefinitionError",

@@ -90,6 +90,10 @@ class ExecutorConfig(BaseModel):
             keeps every completed call's state).
         max_checkpoint_bytes: Largest checkpoint of one session (its working directory's files
             included).
+        setup_code: Code run in every session's fresh kernel (at its start and after every
+            restart, crash or eviction) before the session's next call, so helpers and tools
+            it defines are always there; a failure is the call's result
+            (``error.kind == "setup_failed"``) and the setup is tried again before the next.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -119,6 +123,7 @@ class ExecutorConfig(BaseModel):
     state_dir: Path | None = None
     checkpoint: Literal["on_evict", "after_call"] = "on_evict"
     max_checkpoint_bytes: int = Field(8 << 30, ge=1)
+    setup_code: str | None = None
 
     @field_validator(
         "default_timeout",
