@@ -416,3 +416,17 @@ def test_replay_after_a_restart_uses_the_recording_on_disk(tmp_path: Path) -> No
         assert back.stdout == "two\n", back
         assert back.restored is not None and back.restored.replayed == ["fh"]
         assert back.lost_variables == []
+
+
+def test_setup_code_and_session_files_with_a_restore(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with _ex(state, setup_code="def helper():\n    return 7") as ex:
+        s = ex.session("setup")
+        s.run_code("kept = helper() * 6\nopen('out.txt', 'w').write('saved')").raise_for_error()
+    with _ex(state, setup_code="def helper():\n    return 7") as ex:
+        s = ex.session("setup")
+        assert s.files.read("out.txt") == b"saved"  # the file operation woke the agent
+        back = s.run_code("print(kept, helper())")
+        assert back.stdout == "42 7\n", back
+        assert back.restored is not None and "kept" in back.restored.names
+        assert back.lost_variables == []
