@@ -281,6 +281,8 @@ def test_delete_state_and_the_sessions_listing(
     assert cli_main(["sessions", "--state-dir", str(state), "--json"]) == 0
     listed = capsys.readouterr().out
     assert '"agent_id": "keep"' in listed and '"agent_id": "drop"' in listed
+    assert cli_main(["sessions", "--delete", "drop"]) == 2  # needs --state-dir
+    assert "--delete needs --state-dir" in capsys.readouterr().err
     assert cli_main(["sessions", "--state-dir", str(state), "--delete", "drop"]) == 0
     assert "deleted the state of 'drop'" in capsys.readouterr().out
     assert [a.agent_id for a in StateStore(state).agents()] == ["keep"]

@@ -48,6 +48,9 @@ def add_parsers(sub: Any) -> None:
 
 def cmd_sessions(ns: argparse.Namespace) -> int:
     """Print the live sessions (or a state_dir's hibernated agents), as a table or JSON."""
+    if ns.delete is not None and ns.state_dir is None:
+        print("kernelexec: --delete needs --state-dir DIR", file=sys.stderr)
+        return EXIT_USAGE
     if ns.state_dir is not None:
         from kernelexec._cli._state import cmd_state_sessions
 
