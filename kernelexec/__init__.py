@@ -11,6 +11,7 @@ import typing as _typing
 from importlib import metadata as _metadata
 
 if _typing.TYPE_CHECKING:
+    from kernelexec._branching._family import AsyncSnapshot
     from kernelexec._config import ExecutorConfig
     from kernelexec._core._executor import AsyncKernelExecutor
     from kernelexec._core._session import AsyncSession
@@ -18,6 +19,8 @@ if _typing.TYPE_CHECKING:
     from kernelexec._envs._envs import LocalEnv, VenvEnv
     from kernelexec._exceptions import (
         BackgroundTaskError,
+        BranchError,
+        BranchingNotSupportedError,
         CheckpointTooLargeError,
         ConfigError,
         EnvSetupError,
@@ -62,7 +65,7 @@ if _typing.TYPE_CHECKING:
         ToolResult,
     )
     from kernelexec._notebooks._replay import CellDifference, ReplayReport, areplay
-    from kernelexec._sync import KernelExecutor, Session, replay
+    from kernelexec._sync import KernelExecutor, Session, Snapshot, replay
     from kernelexec._tools._tool import Tool
 
 # Public names and the module each lives in, imported on first use (PEP 562), so that
@@ -73,11 +76,14 @@ _EXPORTS: dict[str, str] = {
     "AsyncSession": "kernelexec._core._session",
     "AsyncSessionCommands": "kernelexec._files._commands",
     "AsyncSessionFiles": "kernelexec._files._session",
+    "AsyncSnapshot": "kernelexec._branching._family",
     "BackgroundCommand": "kernelexec._files._commands",
     "BackgroundTaskError": "kernelexec._exceptions",
     "BlockingBackgroundCommand": "kernelexec._files._blocking",
     "BlockingFileReader": "kernelexec._files._blocking",
     "BlockingFileWriter": "kernelexec._files._blocking",
+    "BranchError": "kernelexec._exceptions",
+    "BranchingNotSupportedError": "kernelexec._exceptions",
     "BuiltEnv": "kernelexec._envs._builder",
     "CellDifference": "kernelexec._notebooks._replay",
     "CheckpointTooLargeError": "kernelexec._exceptions",
@@ -116,6 +122,7 @@ _EXPORTS: dict[str, str] = {
     "SessionFileError": "kernelexec._exceptions",
     "SessionFiles": "kernelexec._files._blocking",
     "SetupCodeError": "kernelexec._exceptions",
+    "Snapshot": "kernelexec._sync",
     "StateError": "kernelexec._exceptions",
     "Tool": "kernelexec._tools._tool",
     "ToolDefinitionError": "kernelexec._exceptions",
@@ -163,11 +170,14 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "AsyncSession",
     "AsyncSessionCommands",
     "AsyncSessionFiles",
+    "AsyncSnapshot",
     "BackgroundCommand",
     "BackgroundTaskError",
     "BlockingBackgroundCommand",
     "BlockingFileReader",
     "BlockingFileWriter",
+    "BranchError",
+    "BranchingNotSupportedError",
     "BuiltEnv",
     "CellDifference",
     "CheckpointTooLargeError",
@@ -205,6 +215,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "SessionFileError",
     "SessionFiles",
     "SetupCodeError",
+    "Snapshot",
     "StateError",
     "Tool",
     "ToolDefinitionError",

@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from kernelexec._branching._family import AsyncSnapshot
 from kernelexec._core._executor import DEFAULT_AGENT, AsyncKernelExecutor
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._session import AsyncSession
@@ -78,6 +79,34 @@ def _shutdown(portal: _Portal, executor: AsyncKernelExecutor) -> None:
         portal.call(executor.aclose)
     finally:
         portal.stop()
+
+
+class Snapshot:
+    """Blocking twin of :class:`~kernelexec.AsyncSnapshot`, from ``Session.snapshot``."""
+
+    def __init__(self, inner: AsyncSnapshot, portal: _Portal) -> None:
+        self.inner = inner
+        self._portal = portal
+
+    @property
+    def agent_id(self) -> str:
+        """The session it was taken of."""
+        return self.inner.agent_id
+
+    @property
+    def closed(self) -> bool:
+        """Whether it was closed."""
+        return self.inner.closed
+
+    def close(self) -> None:
+        """Free the snapshot; see :meth:`AsyncSnapshot.aclose`."""
+        self._portal.call(self.inner.aclose)
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Session:
@@ -179,6 +208,19 @@ class Session:
     def hibernate(self) -> Hibernation:
         """Save the state and give the kernel back; see :meth:`AsyncSession.hibernate`."""
         return self._portal.call(self._inner.hibernate)
+
+    def fork(self, n: int = 1) -> list[Session]:
+        """Branch the live session into ``n`` children; see :meth:`AsyncSession.fork`."""
+        return [Session(c, self._portal) for c in self._portal.call(self._inner.fork, n)]
+
+    def snapshot(self) -> Snapshot:
+        """A frozen copy of the session; see :meth:`AsyncSession.snapshot`."""
+        return Snapshot(self._portal.call(self._inner.snapshot), self._portal)
+
+    def restore(self, snap: Snapshot) -> None:
+        """Put the session back to ``snap``; see :meth:`AsyncSession.restore`."""
+        inner = snap.inner if isinstance(snap, Snapshot) else snap
+        self._portal.call(self._inner.restore, inner)
 
     def close(self) -> None:
         """Shut the session's kernel down."""

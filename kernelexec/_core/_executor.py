@@ -12,9 +12,11 @@ from collections import OrderedDict
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
+from kernelexec._branching._family import Brancher
 from kernelexec._config import ExecutorConfig, make_config
 from kernelexec._core._attach import SessionRegistration
 from kernelexec._core._budget import KernelBudget
+from kernelexec._core._forking import SessionBranches
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._pool import KernelPool
@@ -34,7 +36,7 @@ from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import bootstrap_request
 from kernelexec._tempdirs import make_owned_dir, sweep_once
 from kernelexec._tools._tool import Tool
-from kernelexec.backends._base import KernelBackend, KernelLaunch
+from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLaunch
 from kernelexec.backends._local import LocalBackend
 from kernelexec.backends._registry import get_backend
 
@@ -121,6 +123,17 @@ class AsyncKernelExecutor:
                     "sessions yet (its kernels do not see this host's filesystem)"
                 )
             self._store = StateStore(self.config.state_dir)
+        self._brancher = Brancher(self.config.start_timeout)
+        self._branches = SessionBranches(
+            self._brancher,
+            self._budget,
+            self._bootstrap,
+            self.config.start_timeout,
+            self.backend.name,
+            self._adopt_branch,
+        )
+        self._env_of: dict[str, Env] = {}  # fingerprint -> environment (for children)
+        self._branch_counts: dict[str, int] = {}  # agent id -> children forked so far
         self.backend.hold()
 
     @property
@@ -220,6 +233,7 @@ class AsyncKernelExecutor:
             start_timeout=self.config.start_timeout,
             budget=self._budget,
             supervisor=self._supervisor,
+            keeper=self._brancher,
         )
         self._pools[fingerprint] = pool
         pool.open()
@@ -337,6 +351,7 @@ class AsyncKernelExecutor:
                 )
             return existing
         self._check_env(env)
+        self._env_of[fingerprint] = env
         cfg = self.config
         recorder = None
         if cfg.record:
@@ -385,9 +400,39 @@ class AsyncKernelExecutor:
             observers=(registration,) if registration is not None else (),
             on_close=self._forget,
             setup_code=setup,
+            branches=self._branches,
         )
         self._sessions[key] = session
         return session
+
+    async def _adopt_branch(self, parent: AsyncSession, conn: KernelConnection) -> AsyncSession:
+        """The child session of ``parent`` around ``conn``, a fork of its kernel: a new agent
+        id, a copy of the parent's files, a recording that says where it branched from."""
+        count = self._branch_counts.get(parent.agent_id, 0)
+        while True:
+            count += 1
+            agent_id = f"{parent.agent_id}~{count}"
+            key = (agent_id, parent.fingerprint)
+            if key not in self._sessions and key not in self._parked:
+                break
+        self._branch_counts[parent.agent_id] = count
+        pool = parent.lease.pool
+        assert pool is not None  # the parent has a kernel
+        own = parent.setup_code[1:] if self.config.setup_code else parent.setup_code
+        child = await self.session(
+            agent_id,
+            self._env_of.get(parent.fingerprint, self.env),
+            setup_code=own[0] if own else None,  # the parent's, for the child's fresh kernels
+        )
+        if isinstance(parent.workdir, Path) and isinstance(child.workdir, Path):
+            await asyncio.to_thread(
+                shutil.copytree, parent.workdir, child.workdir, symlinks=True, dirs_exist_ok=True
+            )
+        pool.adopt(conn)
+        await child.lease.adopt(conn, pool, parent.lease.names)
+        if child.recorder is not None:
+            child.recorder.note_branch(parent.agent_id, parent.notebook)
+        return child
 
     def _park(self, key: tuple[str, str]) -> None:
         """The session's kernel was evicted: hold the session weakly from now on."""
@@ -530,6 +575,7 @@ class AsyncKernelExecutor:
             await asyncio.shield(self._supervisor.aclose())
         finally:
             await asyncio.shield(asyncio.gather(*(p.aclose() for p in pools)))
+            await asyncio.shield(self._brancher.aclose())
             await asyncio.shield(self.backend.release())
             if self._store is not None:
                 self._store.close()

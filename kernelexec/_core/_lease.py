@@ -93,6 +93,37 @@ class KernelLease:
         """The attached kernel, if any."""
         return self._conn
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The user's variable names after the last run."""
+        return self._names
+
+    @property
+    def pool(self) -> KernelPool | None:
+        """The pool of the session's environment, once a kernel was taken from it."""
+        return self._pool
+
+    async def adopt(self, conn: KernelConnection, pool: KernelPool, names: tuple[str, ...]) -> None:
+        """Take ``conn`` (a fork of another session's kernel, already in ``pool``) as this
+        lease's kernel, holding ``names``."""
+        self._pool = pool
+        self._conn = conn
+        await self._attached()
+        self._names = names
+        if self.on_attached is not None:
+            self.on_attached()
+
+    async def swap(self, conn: KernelConnection, names: tuple[str, ...]) -> None:
+        """Put ``conn`` (a restored snapshot, holding ``names``) in place of the kernel."""
+        if self._pool is None:
+            self._pool = await self._get_pool()
+        old, self._conn = self._conn, conn
+        await self._pool.exchange(old, conn)
+        await self._attached()
+        self._names = names
+        if old is None and self.on_attached is not None:
+            self.on_attached()
+
     @asynccontextmanager
     async def hold(self) -> AsyncIterator[None]:
         """Exclusive use of the lease, in the order asked for."""
@@ -140,11 +171,6 @@ class KernelLease:
             return None
         self._fresh = False
         return {"cwd": self._workdir}
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        """The user's variable names after the last run."""
-        return self._names
 
     def update_names(self, names: tuple[str, ...]) -> None:
         """The user's variable names after a run."""
