@@ -432,3 +432,21 @@ def test_setup_code_and_session_files_with_a_restore(tmp_path: Path) -> None:
         assert back.stdout == "42 7\n", back
         assert back.restored is not None and "kept" in back.restored.names
         assert back.lost_variables == []
+
+
+def test_forks_and_snapshot_restores_of_a_durable_session(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    with _ex(state, checkpoint="after_call") as ex:
+        s = ex.session("root")
+        s.run_code("x = 1").raise_for_error()
+        (child,) = s.fork()
+        child.run_code("x += 10").raise_for_error()  # the child checkpoints as itself
+        snap = s.snapshot()
+        s.run_code("x = 5").raise_for_error()
+        s.restore(snap)  # the kernel goes back to x == 1: the x == 5 checkpoint is stale
+        s.run_code("y = 2").raise_for_error()
+        child_id = child.agent_id
+        snap.close()
+    with _ex(state) as ex:
+        assert ex.run_code("print(x, y)", agent_id="root").stdout == "1 2\n"
+        assert ex.run_code("print(x)", agent_id=child_id).stdout == "11\n"

@@ -108,7 +108,7 @@ class KernelLease:
         lease's kernel, holding ``names``."""
         self._pool = pool
         self._conn = conn
-        await self._attached()
+        await self._attached(branched=True)
         self._names = names
         if self.on_attached is not None:
             self.on_attached()
@@ -119,7 +119,7 @@ class KernelLease:
             self._pool = await self._get_pool()
         old, self._conn = self._conn, conn
         await self._pool.exchange(old, conn)
-        await self._attached()
+        await self._attached(branched=True)
         self._names = names
         if old is None and self.on_attached is not None:
             self.on_attached()
@@ -287,8 +287,10 @@ class KernelLease:
         if conn is not None and self._pool is not None:
             await self._pool.discard(conn)
 
-    async def _attached(self) -> list[str]:
-        """Set a fresh kernel up; return the names a restore did not bring back."""
+    async def _attached(self, branched: bool = False) -> list[str]:
+        """Set a fresh kernel up; return the names a restore did not bring back. A
+        ``branched`` kernel (a fork, a restored snapshot) holds its state already: nothing is
+        restored into it, and a saved checkpoint of this session is stale."""
         assert self._conn is not None
         await self._conn.enter_workdir(self._workdir)
         self.generation += 1
@@ -299,7 +301,7 @@ class KernelLease:
             return []
         conn = self._conn
         restored, missing = await self.keeper.attached(
-            self._run, self.generation, lambda: conn.enter_workdir(self._workdir)
+            self._run, self.generation, lambda: conn.enter_workdir(self._workdir), branched
         )
         if restored is not None:
             self._restored = restored

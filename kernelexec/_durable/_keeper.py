@@ -108,13 +108,21 @@ class SessionState:
     # -- a fresh kernel -----------------------------------------------------------------------
 
     async def attached(
-        self, run: Runner, generation: int, hand_over: Callable[[], Awaitable[None]]
+        self,
+        run: Runner,
+        generation: int,
+        hand_over: Callable[[], Awaitable[None]],
+        branched: bool = False,
     ) -> tuple[Restored | None, list[str]]:
         """A fresh kernel (number ``generation``) is attached: restore the saved state into it
         when there is one; return what came back and the names that did not. ``hand_over``
-        gives the working directory (restored files included) to the kernel's user."""
+        gives the working directory (restored files included) to the kernel's user. A
+        ``branched`` kernel (a fork, a restored snapshot) has its state: the saved one is
+        stale and deleted, and the kernel forgets what it remembers of its origin's saves."""
         self._installed_in = -1
         self._hook_broken = False
+        if branched:
+            await asyncio.to_thread(self._invalidate)
         if not self._loaded:
             self._loaded = True
             self._manifest, self._problems = await asyncio.to_thread(
@@ -126,11 +134,13 @@ class SessionState:
             self._to_restore = False
             restored = await self._restore(run, generation, hand_over)
             lost = sorted(restored.not_restored)
-        elif self.checkpoint == "after_call":
+        else:
+            # A new or branched kernel: no memory of earlier saves may be reused (a fork
+            # remembers its parent's), and the after-call hook is set for this session.
             try:
-                await self._ask(run, generation, "hook", {})
+                await self._ask(run, generation, "forget", {})
             except StateError as exc:
-                log.warning("agent %r: after-call checkpoints are off: %s", self.agent_id, exc)
+                log.warning("agent %r: durable state not set up: %s", self.agent_id, exc)
         return restored, lost
 
     async def _restore(
