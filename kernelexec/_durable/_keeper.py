@@ -28,6 +28,7 @@ from kernelexec._durable import _kernel_state as ks
 from kernelexec._durable._store import Manifest, StateStore, now_iso
 from kernelexec._exceptions import CheckpointTooLargeError, StateError
 from kernelexec._models import Hibernation, Restored
+from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import ExecuteRequest
 
 log = logging.getLogger("kernelexec")
@@ -132,7 +133,8 @@ class SessionState:
         restored, lost = None, []
         if self._to_restore:
             self._to_restore = False
-            restored = await self._restore(run, generation, hand_over)
+            with telemetry().span("state.restore", {"kernelexec.agent_id": self.agent_id}):
+                restored = await self._restore(run, generation, hand_over)
             lost = sorted(restored.not_restored)
         else:
             # A new or branched kernel: no memory of earlier saves may be reused (a fork
@@ -237,6 +239,10 @@ class SessionState:
             CheckpointTooLargeError: the checkpoint would pass the limit (nothing is saved).
             StateError: the kernel could not save, or the store could not keep it.
         """
+        with telemetry().span("state.save", {"kernelexec.agent_id": self.agent_id}):
+            return await self._save(run, generation)
+
+    async def _save(self, run: Runner, generation: int) -> Hibernation:
         start = time.monotonic()
         await self._load_quietly()
         base = self._manifest.gen if self._manifest is not None else None
