@@ -147,7 +147,9 @@ def test_a_kernel_death_is_an_error_span_a_restart_span_and_counted(otel: Otel) 
     assert code.attributes["kernelexec.kernel_restarted"] is True
     assert code.status.status_code == StatusCode.ERROR
     assert otel.finished("kernelexec.kernel.restart")
-    assert restarts() == before + 1
+    # At least this one (the counter is process-wide: another test's executor may still be
+    # replacing a kernel of its own in the background while this one runs).
+    assert restarts() >= before + 1
 
 
 def test_metrics_count_calls_by_status_time_them_and_gauge_kernels_by_state(otel: Otel) -> None:
