@@ -107,7 +107,14 @@ class AsyncKernelExecutor:
             self.config.max_output_chars, fast_calls=self.config.fast_calls
         )
         self._own_workdir = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self.backend.hold()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the executor runs on (None until started); code on other threads
+        hands it calls with ``asyncio.run_coroutine_threadsafe``."""
+        return self._loop
 
     @property
     def env(self) -> Env:
@@ -188,6 +195,7 @@ class AsyncKernelExecutor:
                 os.makedirs(cfg.record_dir, exist_ok=True)
             except OSError as exc:
                 raise ConfigError(f"record_dir {cfg.record_dir}: {exc.strerror}") from None
+        self._loop = asyncio.get_running_loop()
         await self._supervisor.start()
         self._budget.open()
         self._state.open()
