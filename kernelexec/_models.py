@@ -30,6 +30,7 @@ ErrorKind = Literal[
     "env_setup_failed",
     "cancelled",
     "limit_exceeded",
+    "setup_failed",
 ]
 
 DEFAULT_ENV_ALLOWLIST: tuple[str, ...] = (
@@ -124,7 +125,9 @@ class ExecError(BaseModel):
             (its virtual environment could not be built; ``evalue`` ends with the installer's
             output), ``cancelled`` (the caller cancelled the call: seen only in recordings,
             since the caller got ``CancelledError``), ``limit_exceeded`` (the kernel was
-            killed for a resource limit; ``evalue`` names the limit and its value). Only
+            killed for a resource limit; ``evalue`` names the limit and its value),
+            ``setup_failed`` (the session's ``setup_code`` failed in a fresh kernel; the call
+            did not run, ``ename``/``traceback`` are the setup's error). Only
             kernelexec's own checks set the kinds other than ``exception``;
             an exception's class name never does.
         ename: Exception class name (e.g. ``"ValueError"``).

@@ -24,6 +24,7 @@ from kernelexec._core._session import AsyncSession
 from kernelexec._core._state import Lifecycle
 from kernelexec._envs._builder import ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
+from kernelexec._files._blocking import SessionCommands, SessionFiles
 from kernelexec._models import Execution, Isolation, ToolResult
 from kernelexec._notebooks._replay import ReplayReport, areplay
 from kernelexec._tools._tool import Tool
@@ -85,6 +86,10 @@ class Session:
     def __init__(self, inner: AsyncSession, portal: _Portal) -> None:
         self._inner = inner
         self._portal = portal
+        self.files = SessionFiles(inner.files, portal.call)
+        """Files in the session's working directory (see :class:`kernelexec.SessionFiles`)."""
+        self.commands = SessionCommands(inner.commands, portal.call)
+        """Background commands in the session's kernel (see :class:`kernelexec.SessionCommands`)."""
 
     @property
     def agent_id(self) -> str:
@@ -243,10 +248,17 @@ class KernelExecutor:
         self._portal.call(self._async.warm_up, env)
 
     def session(
-        self, agent_id: str = DEFAULT_AGENT, env: LocalEnv | VenvEnv | None = None
+        self,
+        agent_id: str = DEFAULT_AGENT,
+        env: LocalEnv | VenvEnv | None = None,
+        *,
+        setup_code: str | None = None,
     ) -> Session:
-        """The session of ``agent_id`` in ``env`` (the same object for the same pair)."""
-        return self._wrap(self._portal.call(self._async.session, agent_id, env))
+        """The session of ``agent_id`` in ``env`` (the same object for the same pair); see
+        :meth:`AsyncKernelExecutor.session`."""
+        return self._wrap(
+            self._portal.call(self._async.session, agent_id, env, setup_code=setup_code)
+        )
 
     def _wrap(self, inner: AsyncSession) -> Session:
         key = (inner.agent_id, inner.fingerprint)

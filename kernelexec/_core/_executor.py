@@ -288,13 +288,29 @@ class AsyncKernelExecutor:
             return venv
         return self.env
 
-    async def session(self, agent_id: str = DEFAULT_AGENT, env: Env | None = None) -> AsyncSession:
+    async def session(
+        self,
+        agent_id: str = DEFAULT_AGENT,
+        env: Env | None = None,
+        *,
+        setup_code: str | None = None,
+    ) -> AsyncSession:
         """The session of ``agent_id`` in ``env`` (default: the executor's), created on first
         use; its kernel (and venv) are made lazily. One agent has one session per environment.
 
+        Args:
+            agent_id: The agent whose session it is.
+            env: Its environment (default: the executor's).
+            setup_code: Code run in each fresh kernel of the session (after the executor's
+                ``setup_code``) before its next call; see ``ExecutorConfig.setup_code``.
+                Given for an existing session, it must be the one it was made with.
+
         Raises:
-            ConfigError: the backend cannot run ``env``.
+            ConfigError: the backend cannot run ``env``, or ``setup_code`` differs from an
+                existing session's.
         """
+        if setup_code is not None and not isinstance(setup_code, str):
+            raise TypeError(f"setup_code must be str, not {type(setup_code).__name__}")
         if not isinstance(agent_id, str) or not agent_id:
             raise TypeError("agent_id must be a non-empty str")
         if env is not None and not isinstance(env, LocalEnv | VenvEnv):
@@ -305,7 +321,12 @@ class AsyncKernelExecutor:
         fingerprint = self.fingerprint_of(env)
         key = (agent_id, fingerprint)
         existing = self._sessions.get(key) or self._parked.get(key)
+        setup = tuple(c for c in (self.config.setup_code, setup_code) if c)
         if existing is not None:
+            if setup_code is not None and existing.setup_code != setup:
+                raise ConfigError(
+                    f"session {agent_id!r} exists with another setup_code; close it first"
+                )
             return existing
         self._check_env(env)
         cfg = self.config
@@ -342,6 +363,7 @@ class AsyncKernelExecutor:
             backend=self.backend.name,
             observers=(registration,) if registration is not None else (),
             on_close=self._forget,
+            setup_code=setup,
         )
         self._sessions[key] = session
         return session

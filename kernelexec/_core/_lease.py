@@ -112,6 +112,12 @@ class KernelLease:
                 self.on_attached()
         return self._conn, lost
 
+    def put_back_lost(self, lost: list[str] | None) -> None:
+        """Hand back what :meth:`attach` returned, unreported (a file operation attached the
+        kernel): the session's next run reports it, a restart with no names included."""
+        if lost is not None:
+            self._lost = lost + (self._lost or [])
+
     def take_settings(self) -> dict[str, Any] | None:
         """The settings a fresh kernel still needs (sent with its first request), once."""
         if not self._fresh:

@@ -25,6 +25,9 @@ from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._traced import traced_call
 from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
+from kernelexec._files._commands import AsyncSessionCommands
+from kernelexec._files._link import KernelLink
+from kernelexec._files._session import AsyncSessionFiles
 from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._protocol import _host as protocol
@@ -72,6 +75,7 @@ class AsyncSession:
         on_close: Callable[[AsyncSession], Awaitable[None]] | None = None,
         isolation: Isolation | None = None,
         backend: str = "local",
+        setup_code: tuple[str, ...] = (),
     ) -> None:
         self.agent_id = agent_id
         self.backend = backend
@@ -94,6 +98,17 @@ class AsyncSession:
         self._on_close = on_close
         self._state = Lifecycle(f"session {agent_id!r}", opened=True)
         self._current: RunOutcome | None = None  # the run in progress, for a cancellation
+        self.setup_code = setup_code
+        """Code run in every fresh kernel of the session before its first call (the executor's
+        ``setup_code``, then the session's)."""
+        self._setup_done = 0  # the kernel generation that last ran setup_code
+        link = KernelLink(lease, self._state.check, str(workdir), timeout=default_timeout)
+        self.files = AsyncSessionFiles(link)
+        """Files in the session's working directory, moved through its kernel (see
+        :class:`kernelexec.AsyncSessionFiles`): ``await session.files.write("a.csv", data)``."""
+        self.commands = AsyncSessionCommands(link)
+        """Shell commands run in the background in the kernel while the session's other
+        calls go on (see :class:`kernelexec.AsyncSessionCommands`)."""
 
     # -- public API -------------------------------------------------------------------------
 
@@ -375,6 +390,13 @@ class AsyncSession:
             fields = _not_run(error)
             fields["duration_s"] = time.monotonic() - start
             return fields, None, self._lease.generation
+        failed = await self._set_up(timeout)
+        if failed is not None:
+            fields = _not_run(failed)
+            fields["kernel_restarted"] = lost is not None
+            fields["lost_variables"] = sorted(set(lost or []))
+            fields["duration_s"] = time.monotonic() - start
+            return fields, None, self._lease.generation
         out = await self._send(request, timeout, callbacks)
         if out.died and not out.started:
             # The kernel died before it saw the request (e.g. killed between calls): the
@@ -386,6 +408,39 @@ class AsyncSession:
         fields["duration_s"] = time.monotonic() - start
         self._current = None  # the result owns its outputs now
         return fields, report, generation
+
+    async def _set_up(self, timeout: float) -> ExecError | None:
+        """Run ``setup_code`` once per kernel, before its first call; the error when it failed
+        (it is tried again before the next call)."""
+        if not self.setup_code or self._setup_done == self._lease.generation:
+            return None
+        for code in self.setup_code:
+            out = await self._send(protocol.code_request(code), timeout, Callbacks())
+            self._current = None
+            reply = out.reply or {}
+            if out.died or out.stuck or out.timed_out:
+                what = "timed out" if out.timed_out or out.stuck else "killed its kernel"
+                if out.died or out.stuck:
+                    await self._lease.lose_state()
+                return ExecError(
+                    kind="setup_failed",
+                    ename="SetupCodeError",
+                    evalue=f"the session's setup_code {what}; the call did not run",
+                )
+            report = protocol.read_report(reply)
+            if report is not None:
+                self._lease.update_names(report.names)
+            if reply.get("status") != "ok" or out.collected.error is not None:
+                error = protocol.error_from(out.collected.error or reply, "exception")
+                return ExecError(
+                    kind="setup_failed",
+                    ename=error.ename,
+                    evalue=f"the session's setup_code raised {error.ename}: {error.evalue}; "
+                    "the call did not run",
+                    traceback=error.traceback,
+                )
+        self._setup_done = self._lease.generation
+        return None
 
     def _raise_if_closed_under_us(self) -> None:
         """A run ended by the executor closing (its kernels shut down under it) was not

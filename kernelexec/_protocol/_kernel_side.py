@@ -639,6 +639,9 @@ def configure() -> None:
     if cfg.get("cwd"):
         os.makedirs(cfg["cwd"], exist_ok=True)
         os.chdir(cfg["cwd"])
+        # Kept for the files helper: later code may chdir away, and a relative working
+        # directory (a gateway kernel's) means something else once the kernel is inside it.
+        _state["workdir"] = os.getcwd()
     _state["language_info"] = dict(getattr(_ip().kernel, "language_info", {}))
 
 

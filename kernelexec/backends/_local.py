@@ -322,6 +322,8 @@ class LocalConnection(KernelConnection):
                     self._cgroup = _cgroups.KernelCgroup.create(plan.cgroup_limits)
                 except OSError as exc:
                     raise KernelStartError(f"could not set up the kernel's cgroup: {exc}") from exc
+        own_user = plan is not None and plan.own_user
+        env["PATH"] = _users.kernel_path(self._python, env.get("PATH"), own_user=own_user)
         env["IPYTHONDIR"] = os.path.join(kdir, "ipython")
         env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
         kernel_args = ["-f", "{connection_file}", *_KERNEL_FLAGS, *self._extra_args]
@@ -740,9 +742,9 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 
 
 # An ipc socket's path must fit in sun_path: 108 bytes with the terminating NUL. Ours are
-# <tempdir>/kx-XXXXXXXX/s-<port>, ports up to five digits.
+# <tempdir>/kx-XXXXXXXX/s-<n>: jupyter-client numbers a kernel's ipc sockets 1 to 5.
 _SUN_PATH_MAX = 107
-_SOCKET_SUFFIX = "kx-XXXXXXXX/s-65535"
+_SOCKET_SUFFIX = "kx-XXXXXXXX/s-5"
 
 
 def _check_socket_room() -> None:
