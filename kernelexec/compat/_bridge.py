@@ -181,3 +181,20 @@ class AgentKernel:
         if session is not None:
             await self.acall(lambda _: session.aclose())
         self._closed = True
+
+
+def describe_execution(result: Execution) -> str:
+    """A run as a tool's answer to a model: its output, its value or its error."""
+    parts = []
+    if result.stdout:
+        parts.append(result.stdout.rstrip("\n"))
+    if result.stderr:
+        parts.append(f"[stderr]\n{result.stderr.rstrip()}")
+    if result.error is not None:
+        error = result.error
+        parts.append(f"{error.ename}: {error.evalue}" if error.ename else error.evalue)
+        if result.kernel_restarted:
+            parts.append("(the interpreter was restarted: earlier variables are gone)")
+    elif result.result is not None:
+        parts.append(result.result)
+    return "\n".join(parts) or "(no output)"

@@ -40,7 +40,7 @@ from kernelexec._exceptions import (
 )
 from kernelexec._models import Execution
 from kernelexec._sync import KernelExecutor
-from kernelexec.compat._bridge import AgentKernel, SessionOp, T
+from kernelexec.compat._bridge import AgentKernel, SessionOp, T, describe_execution
 
 __all__ = ["PROVIDER", "KernelWorkspace"]
 
@@ -188,7 +188,7 @@ class KernelWorkspace:
             """Run Python code in a persistent interpreter (variables, imports and files stay
             from one call to the next; the working directory is the workspace's). Returns what
             it printed and the value of its last expression, or its error."""
-            return _describe(await workspace.run_python(code, timeout=timeout))
+            return describe_execution(await workspace.run_python(code, timeout=timeout))
 
         return FunctionToolset([python])
 
@@ -204,19 +204,3 @@ class KernelWorkspace:
 
 async def _noop(session: AsyncSession) -> None:
     return None
-
-
-def _describe(result: Execution) -> str:
-    parts = []
-    if result.stdout:
-        parts.append(result.stdout.rstrip("\n"))
-    if result.stderr:
-        parts.append(f"[stderr]\n{result.stderr.rstrip()}")
-    if result.error is not None:
-        error = result.error
-        parts.append(f"{error.ename}: {error.evalue}" if error.ename else error.evalue)
-        if result.kernel_restarted:
-            parts.append("(the interpreter was restarted: earlier variables are gone)")
-    elif result.result is not None:
-        parts.append(result.result)
-    return "\n".join(parts) or "(no output)"
