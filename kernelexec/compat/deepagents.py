@@ -44,7 +44,8 @@ from kernelexec.compat._bridge import AgentKernel, describe_execution
 __all__ = ["KernelSandbox"]
 
 _STAGE = ".kernelexec-transfer"
-"""Folder of the working directory where files bound for (or from) paths outside it wait."""
+"""Start of the name of a file in the working directory that holds, for a moment, a file bound
+for (or from) a path outside it."""
 
 # Runs in the kernel's own process tree (as a command), so with the kernel's rights:
 # ``put STAGED DEST`` / ``get SRC STAGED``; prints the error literal, or nothing.
@@ -191,7 +192,7 @@ class KernelSandbox(BaseSandbox):  # type: ignore[misc]
         return responses
 
     def _fetch_outside(self, path: str) -> tuple[bytes | None, str | None]:
-        stage = f"{_STAGE}/{uuid.uuid4().hex}"
+        stage = f"{_STAGE}-{uuid.uuid4().hex}"
         error = self._through_stage("get", path, None, stage)
         if error is not None:
             return None, error
@@ -205,7 +206,7 @@ class KernelSandbox(BaseSandbox):  # type: ignore[misc]
     ) -> str | None:
         """Copy between ``path`` (outside the working directory) and a staged file inside it,
         in the kernel with its rights; the error literal, or None."""
-        stage = stage or f"{_STAGE}/{uuid.uuid4().hex}"
+        stage = stage or f"{_STAGE}-{uuid.uuid4().hex}"
         if data is not None:
             self._kernel.call(lambda s: s.files.write(stage, data))
         staged = posixpath.join(self.working_dir(), stage)
