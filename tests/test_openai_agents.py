@@ -14,17 +14,17 @@ import pytest
 
 pytest.importorskip("agents.sandbox")
 
-from agents import Runner, set_tracing_disabled  # noqa: E402
-from agents.items import ToolCallOutputItem  # noqa: E402
-from agents.run_config import RunConfig, SandboxRunConfig  # noqa: E402
-from agents.sandbox import Manifest, SandboxAgent  # noqa: E402
-from agents.sandbox.capabilities import Capabilities  # noqa: E402
-from agents.sandbox.entries import File  # noqa: E402
-from agents.sandbox.errors import ExecTimeoutError, WorkspaceReadNotFoundError  # noqa: E402
-from agents.testing import ScriptedModel, assistant_message, function_call  # noqa: E402
+from agents import Runner, set_tracing_disabled
+from agents.items import ToolCallOutputItem
+from agents.run_config import RunConfig, SandboxRunConfig
+from agents.sandbox import Manifest, SandboxAgent
+from agents.sandbox.capabilities import Capabilities
+from agents.sandbox.entries import File
+from agents.sandbox.errors import ExecTimeoutError, WorkspaceReadNotFoundError
+from agents.testing import ScriptedModel, assistant_message, function_call
 
-import kernelexec as kx  # noqa: E402
-from kernelexec.compat.openai_agents import (  # noqa: E402
+import kernelexec as kx
+from kernelexec.compat.openai_agents import (
     KernelPython,
     KernelSandboxClient,
     KernelSandboxClientOptions,
@@ -74,7 +74,9 @@ async def test_agent_state_carries_from_step_to_step_in_one_kernel(
         capabilities=[*Capabilities.default(), KernelPython()],
     )
     try:
-        result = await Runner.run(agent, "go", run_config=RunConfig(sandbox=SandboxRunConfig(client=client)))
+        result = await Runner.run(
+            agent, "go", run_config=RunConfig(sandbox=SandboxRunConfig(client=client))
+        )
         assert result.final_output == "done"
         outputs = _outputs(result)
         assert "seeded" in outputs[0]

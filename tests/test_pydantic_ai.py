@@ -14,25 +14,25 @@ import pytest
 
 pytest.importorskip("pydantic_ai.workspaces.conformance")
 
-from pydantic_ai import Agent, RunContext  # noqa: E402
-from pydantic_ai.messages import (  # noqa: E402
+from pydantic_ai import Agent, RunContext
+from pydantic_ai.messages import (
     ModelMessage,
     ModelResponse,
     TextPart,
     ToolCallPart,
     ToolReturnPart,
 )
-from pydantic_ai.models.function import AgentInfo, FunctionModel  # noqa: E402
-from pydantic_ai.workspaces import (  # noqa: E402
+from pydantic_ai.models.function import AgentInfo, FunctionModel
+from pydantic_ai.workspaces import (
     Workspace,
     WorkspaceBackend,
     WorkspaceRef,
     WorkspaceUnavailableError,
 )
-from pydantic_ai.workspaces.conformance import WorkspaceBackendSuite  # noqa: E402
+from pydantic_ai.workspaces.conformance import WorkspaceBackendSuite
 
-import kernelexec as kx  # noqa: E402
-from kernelexec.compat.pydantic_ai import KernelWorkspace  # noqa: E402
+import kernelexec as kx
+from kernelexec.compat.pydantic_ai import KernelWorkspace
 
 pytestmark = pytest.mark.anyio
 
@@ -54,7 +54,9 @@ class TestKernelWorkspaceConformance(WorkspaceBackendSuite):
         await workspace.aclose()
 
     @pytest.fixture
-    def fresh_backend(self, executor: kx.KernelExecutor) -> Iterator[Callable[[], WorkspaceBackend]]:
+    def fresh_backend(
+        self, executor: kx.KernelExecutor
+    ) -> Iterator[Callable[[], WorkspaceBackend]]:
         made: list[KernelWorkspace] = []
 
         def fresh() -> WorkspaceBackend:

@@ -81,7 +81,7 @@ finally:
 """
 
 
-class KernelSandbox(BaseSandbox):  # type: ignore[misc]
+class KernelSandbox(BaseSandbox):
     """A deepagents sandbox backend on one kernelexec session (one agent's kernel).
 
     Args:
@@ -159,7 +159,7 @@ class KernelSandbox(BaseSandbox):  # type: ignore[misc]
             error: str | None = None
             try:
                 if rel is not None:
-                    self._kernel.call(lambda s, rel=rel, data=data: s.files.write(rel, data))
+                    self._write(rel, data)
                 else:
                     error = self._through_stage("put", path, data)
             except PathRefusedError:
@@ -181,7 +181,7 @@ class KernelSandbox(BaseSandbox):  # type: ignore[misc]
             error: str | None = None
             try:
                 if rel is not None:
-                    content = self._kernel.call(lambda s, rel=rel: s.files.read(rel))
+                    content = self._read(rel)
                 else:
                     content, error = self._fetch_outside(path)
             except PathRefusedError:
@@ -190,6 +190,12 @@ class KernelSandbox(BaseSandbox):  # type: ignore[misc]
                 error = _literal(exc)
             responses.append(FileDownloadResponse(path=path, content=content, error=error))
         return responses
+
+    def _write(self, rel: str, data: bytes) -> None:
+        self._kernel.call(lambda s: s.files.write(rel, data))
+
+    def _read(self, rel: str) -> bytes:
+        return self._kernel.call(lambda s: s.files.read(rel))
 
     def _fetch_outside(self, path: str) -> tuple[bytes | None, str | None]:
         stage = f"{_STAGE}-{uuid.uuid4().hex}"

@@ -66,7 +66,7 @@ _STAGE = ".kernelexec-transfer"
 """Start of the name of a staged archive in the working directory (removed once unpacked)."""
 
 
-class KernelSandboxClientOptions(BaseSandboxClientOptions):  # type: ignore[misc]
+class KernelSandboxClientOptions(BaseSandboxClientOptions):
     """Options of :meth:`KernelSandboxClient.create`.
 
     Attributes:
@@ -78,14 +78,14 @@ class KernelSandboxClientOptions(BaseSandboxClientOptions):  # type: ignore[misc
     agent_id: str | None = None
 
 
-class KernelSandboxSessionState(SandboxSessionState):  # type: ignore[misc]
+class KernelSandboxSessionState(SandboxSessionState):
     """A kernelexec sandbox session's state: the SDK's, plus the session's agent id."""
 
     type: Literal["kernelexec"] = "kernelexec"
     agent_id: str
 
 
-class KernelSandboxSession(BaseSandboxSession):  # type: ignore[misc]
+class KernelSandboxSession(BaseSandboxSession):
     """One sandbox session on one kernelexec session (made by :class:`KernelSandboxClient`)."""
 
     state: KernelSandboxSessionState
@@ -110,7 +110,9 @@ class KernelSandboxSession(BaseSandboxSession):  # type: ignore[misc]
             ) from None
         return str(rel) if str(rel) != "." else "."
 
-    async def _exec_internal(self, *command: str | Path, timeout: float | None = None) -> ExecResult:
+    async def _exec_internal(
+        self, *command: str | Path, timeout: float | None = None
+    ) -> ExecResult:
         argv = [str(part) for part in command]
         try:
             out, err, code, timed_out = await self.kernel.acall(
@@ -183,7 +185,7 @@ class KernelSandboxSession(BaseSandboxSession):  # type: ignore[misc]
             )
 
 
-class KernelSandboxClient(BaseSandboxClient[KernelSandboxClientOptions | None]):  # type: ignore[misc]
+class KernelSandboxClient(BaseSandboxClient[KernelSandboxClientOptions | None]):
     """A Sandbox Agents client whose sessions are kernelexec sessions.
 
     Args:
@@ -244,7 +246,9 @@ class KernelSandboxClient(BaseSandboxClient[KernelSandboxClientOptions | None]):
     ) -> SandboxSession:
         """Open a kernelexec session; the manifest's root becomes its working directory."""
         manifest = self._validate_manifest_for_create(manifest or Manifest())
-        agent_id = (options.agent_id if options else None) or f"openai-agents-{uuid.uuid4().hex[:12]}"
+        agent_id = (
+            options.agent_id if options else None
+        ) or f"openai-agents-{uuid.uuid4().hex[:12]}"
         kernel, manifest = await self._open(agent_id, manifest)
         session_id = uuid.uuid4()
         state = KernelSandboxSessionState(
@@ -299,7 +303,7 @@ class KernelSandboxClient(BaseSandboxClient[KernelSandboxClientOptions | None]):
             ex.close()
 
 
-class KernelPython(Capability):  # type: ignore[misc]
+class KernelPython(Capability):
     """A ``python`` tool on the sandbox session's kernel (variables persist between calls).
 
     Use it with :class:`KernelSandboxClient`:
