@@ -208,3 +208,31 @@ def test_building_does_nothing_and_bad_settings_are_refused() -> None:
         KernelWorkspace(isolaton="none")
     with kx.KernelExecutor(isolation="none") as ex, pytest.raises(TypeError, match="not both"):
         KernelWorkspace(executor=ex, isolation="none")
+
+
+async def test_new_files_inside_the_working_dir_move_through_session_files(
+    executor: kx.KernelExecutor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Reads, and writes of new files, in the working directory never touch the shell path;
+    an existing file, or one outside the directory, does."""
+    workspace = KernelWorkspace(executor=executor)
+    try:
+        root = await workspace.working_dir()
+        data = bytes(range(256)) * 40_000  # 10 MB, binary
+        shell = workspace._shell
+
+        def refuse() -> Any:
+            raise AssertionError("went through the shell")
+
+        monkeypatch.setattr(workspace, "_shell", refuse)
+        await workspace.write_bytes(f"{root}/sub/big.bin", data)
+        assert await workspace.read_bytes(f"{root}/sub/big.bin") == data
+        with pytest.raises(AssertionError, match="shell"):
+            await workspace.write_bytes(f"{root}/sub/big.bin", b"again")
+        with pytest.raises(AssertionError, match="shell"):
+            await workspace.read_bytes("/etc/hostname")
+        monkeypatch.setattr(workspace, "_shell", shell)
+        await workspace.write_bytes(f"{root}/sub/big.bin", b"again")
+        assert await workspace.read_bytes(f"{root}/sub/big.bin") == b"again"
+    finally:
+        await workspace.aclose()

@@ -1,9 +1,9 @@
 """pydantic-ai on kernelexec: ``agent.run(..., workspace=KernelWorkspace())``.
 
 :class:`KernelWorkspace` is a pydantic-ai workspace backend (``WorkspaceBackend`` +
-``SupportsCommands``) whose environment is one kernelexec session: commands run in the session's
-kernel (its own user and limits at ``"process"``) in its working directory, and pydantic-ai's
-file operations reach the same directory through that shell. :meth:`KernelWorkspace.toolset`
+``SupportsCommands`` + ``SupportsFilesystem``) whose environment is one kernelexec session:
+commands run in the session's kernel (its own user and limits at ``"process"``) in its working
+directory, and files are read and written by that kernel (``session.files``, or the shell). :meth:`KernelWorkspace.toolset`
 adds a ``python`` tool on the same kernel, so the agent's Python variables persist from step to
 step and share files with its commands.
 
@@ -13,6 +13,7 @@ Needs the ``pydantic-ai`` extra: ``pip install 'kernelexec[pydantic-ai]'``.
 from __future__ import annotations
 
 import asyncio
+import posixpath
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -21,6 +22,7 @@ try:
     from pydantic_ai.toolsets import FunctionToolset
     from pydantic_ai.workspaces import (
         CommandResult,
+        FileEntry,
         WorkspaceTimeoutError,
         WorkspaceUnavailableError,
     )
@@ -36,6 +38,7 @@ from kernelexec._exceptions import (
     ExecutorClosedError,
     FileTransferError,
     KernelStartError,
+    PathRefusedError,
     PoolExhaustedError,
 )
 from kernelexec._models import Execution
@@ -174,6 +177,81 @@ class KernelWorkspace:
             )
         code = result.exit_code if result.exit_code is not None else -9
         return CommandResult(exit_code=code, stdout=result.stdout, stderr=result.stderr)
+
+    # SupportsFilesystem. Reads and writes of files inside the working directory go through
+    # ``session.files`` (bytes as binary message frames, never base64 through a shell); every
+    # other operation, and a path outside the directory or one ``session.files`` refuses (a link
+    # leading out, a FIFO), goes through pydantic-ai's own shell-derived filesystem on this
+    # backend's commands, so pydantic-ai's rules for links, FIFOs and errors hold as they do for
+    # command-only backends. Either way the kernel opens the file, with its rights.
+
+    def _shell(self) -> Any:
+        from pydantic_ai.workspaces.workspace import _ShellFilesystem
+
+        return _ShellFilesystem(self)
+
+    async def _inside(self, path: str) -> str | None:
+        root = await self.working_dir()
+        norm = posixpath.normpath(path)
+        return norm[len(root) + 1 :] if norm.startswith(root + "/") else None
+
+    async def read_bytes(self, path: str) -> bytes:
+        """A file's content."""
+        rel = await self._inside(path)
+        if rel is not None:
+            try:
+                return await self._call(lambda s: s.files.read(rel))
+            except PathRefusedError:
+                pass
+        data: bytes = await self._shell().read_bytes(path)
+        return data
+
+    async def write_bytes(self, path: str, data: bytes) -> None:
+        """Create or replace a file (parents made; an existing link is written through)."""
+        rel = await self._inside(path)
+        # A new file goes through session.files; an existing one is written in place by the
+        # shell, which keeps pydantic-ai's rules (through a link, refused without write rights)
+        # where session.files would replace it.
+        if rel is not None and not await self._entry_exists(rel):
+            try:
+                await self._call(lambda s: s.files.write(rel, data))
+                return
+            except PathRefusedError:
+                pass
+        await self._shell().write_bytes(path, data)
+
+    async def _entry_exists(self, rel: str) -> bool:
+        """Whether anything (a dangling link too) is at ``rel``, or the check cannot tell."""
+        try:
+            await self._call(lambda s: s.files.list(rel))
+        except FileNotFoundError:
+            return False
+        except (OSError, ValueError):
+            return True
+        return True
+
+    async def stat(self, path: str) -> FileEntry:
+        """A file's or directory's entry (links followed)."""
+        entry: FileEntry = await self._shell().stat(path)
+        return entry
+
+    async def list_dir(self, path: str) -> Sequence[FileEntry]:
+        """A directory's entries."""
+        entries: Sequence[FileEntry] = await self._shell().list_dir(path)
+        return entries
+
+    async def make_dir(self, path: str) -> None:
+        """Make a directory and its missing parents."""
+        await self._shell().make_dir(path)
+
+    async def remove(self, path: str) -> None:
+        """Remove a file, a link, or a directory tree (never the working directory)."""
+        await self._shell().remove(path)
+
+    async def exists(self, path: str) -> bool:
+        """Whether the path exists."""
+        found: bool = await self._shell().exists(path)
+        return found
 
     async def run_python(self, code: str, timeout: float | None = None) -> Execution:
         """Run Python in the same kernel (its variables persist between calls)."""
