@@ -3,9 +3,9 @@
 :class:`KernelWorkspace` is a pydantic-ai workspace backend (``WorkspaceBackend`` +
 ``SupportsCommands`` + ``SupportsFilesystem``) whose environment is one kernelexec session:
 commands run in the session's kernel (its own user and limits at ``"process"``) in its working
-directory, and files are read and written by that kernel (``session.files``, or the shell). :meth:`KernelWorkspace.toolset`
-adds a ``python`` tool on the same kernel, so the agent's Python variables persist from step to
-step and share files with its commands.
+directory, and files are read and written by that kernel (``session.files``, or the shell).
+:meth:`KernelWorkspace.toolset` adds a ``python`` tool on the same kernel, so the agent's Python
+variables persist from step to step and share files with its commands.
 
 Needs the ``pydantic-ai`` extra: ``pip install 'kernelexec[pydantic-ai]'``.
 """
