@@ -11,6 +11,7 @@ import typing as _typing
 from importlib import metadata as _metadata
 
 if _typing.TYPE_CHECKING:
+    from kernelexec._branching._family import AsyncSnapshot
     from kernelexec._config import ExecutorConfig
     from kernelexec._core._executor import AsyncKernelExecutor
     from kernelexec._core._session import AsyncSession
@@ -18,6 +19,9 @@ if _typing.TYPE_CHECKING:
     from kernelexec._envs._envs import LocalEnv, VenvEnv
     from kernelexec._exceptions import (
         BackgroundTaskError,
+        BranchError,
+        BranchingNotSupportedError,
+        CheckpointTooLargeError,
         ConfigError,
         EnvSetupError,
         ExecutionError,
@@ -31,6 +35,7 @@ if _typing.TYPE_CHECKING:
         PoolExhaustedError,
         SessionFileError,
         SetupCodeError,
+        StateError,
         ToolDefinitionError,
         ToolSchemaWarning,
     )
@@ -52,12 +57,15 @@ if _typing.TYPE_CHECKING:
         DEFAULT_ENV_ALLOWLIST,
         ExecError,
         Execution,
+        HibernatedAgent,
+        Hibernation,
         Isolation,
         Limits,
+        Restored,
         ToolResult,
     )
     from kernelexec._notebooks._replay import CellDifference, ReplayReport, areplay
-    from kernelexec._sync import KernelExecutor, Session, replay
+    from kernelexec._sync import KernelExecutor, Session, Snapshot, replay
     from kernelexec._tools._tool import Tool
 
 # Public names and the module each lives in, imported on first use (PEP 562), so that
@@ -68,13 +76,17 @@ _EXPORTS: dict[str, str] = {
     "AsyncSession": "kernelexec._core._session",
     "AsyncSessionCommands": "kernelexec._files._commands",
     "AsyncSessionFiles": "kernelexec._files._session",
+    "AsyncSnapshot": "kernelexec._branching._family",
     "BackgroundCommand": "kernelexec._files._commands",
     "BackgroundTaskError": "kernelexec._exceptions",
     "BlockingBackgroundCommand": "kernelexec._files._blocking",
     "BlockingFileReader": "kernelexec._files._blocking",
     "BlockingFileWriter": "kernelexec._files._blocking",
+    "BranchError": "kernelexec._exceptions",
+    "BranchingNotSupportedError": "kernelexec._exceptions",
     "BuiltEnv": "kernelexec._envs._builder",
     "CellDifference": "kernelexec._notebooks._replay",
+    "CheckpointTooLargeError": "kernelexec._exceptions",
     "CommandResult": "kernelexec._files._commands",
     "ConfigError": "kernelexec._exceptions",
     "DEFAULT_ENV_ALLOWLIST": "kernelexec._models",
@@ -91,6 +103,8 @@ _EXPORTS: dict[str, str] = {
     "FileReader": "kernelexec._files._session",
     "FileTransferError": "kernelexec._exceptions",
     "FileWriter": "kernelexec._files._session",
+    "HibernatedAgent": "kernelexec._models",
+    "Hibernation": "kernelexec._models",
     "Isolation": "kernelexec._models",
     "KernelExecError": "kernelexec._exceptions",
     "KernelExecutor": "kernelexec._sync",
@@ -102,11 +116,14 @@ _EXPORTS: dict[str, str] = {
     "PoolExhaustedError": "kernelexec._exceptions",
     "replay": "kernelexec._sync",
     "ReplayReport": "kernelexec._notebooks._replay",
+    "Restored": "kernelexec._models",
     "Session": "kernelexec._sync",
     "SessionCommands": "kernelexec._files._blocking",
     "SessionFileError": "kernelexec._exceptions",
     "SessionFiles": "kernelexec._files._blocking",
     "SetupCodeError": "kernelexec._exceptions",
+    "Snapshot": "kernelexec._sync",
+    "StateError": "kernelexec._exceptions",
     "Tool": "kernelexec._tools._tool",
     "ToolDefinitionError": "kernelexec._exceptions",
     "ToolResult": "kernelexec._models",
@@ -153,13 +170,17 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "AsyncSession",
     "AsyncSessionCommands",
     "AsyncSessionFiles",
+    "AsyncSnapshot",
     "BackgroundCommand",
     "BackgroundTaskError",
     "BlockingBackgroundCommand",
     "BlockingFileReader",
     "BlockingFileWriter",
+    "BranchError",
+    "BranchingNotSupportedError",
     "BuiltEnv",
     "CellDifference",
+    "CheckpointTooLargeError",
     "CommandResult",
     "ConfigError",
     "DEFAULT_ENV_ALLOWLIST",
@@ -176,6 +197,8 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "FileReader",
     "FileTransferError",
     "FileWriter",
+    "HibernatedAgent",
+    "Hibernation",
     "Isolation",
     "KernelExecError",
     "KernelExecutor",
@@ -186,11 +209,14 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "PathRefusedError",
     "PoolExhaustedError",
     "ReplayReport",
+    "Restored",
     "Session",
     "SessionCommands",
     "SessionFileError",
     "SessionFiles",
     "SetupCodeError",
+    "Snapshot",
+    "StateError",
     "Tool",
     "ToolDefinitionError",
     "ToolResult",

@@ -12,6 +12,10 @@ mean misuse of the API or a broken environment::
     ├── KernelStartError (RuntimeError)       a kernel did not start or become ready
     ├── EnvSetupError (RuntimeError)          a virtual environment could not be built
     ├── BackgroundTaskError (RuntimeError)    background work failed (raised at close)
+    ├── BranchError (RuntimeError)            a fork, snapshot or restore failed
+    ├── BranchingNotSupportedError (NotImplementedError)  this backend or level cannot fork
+    ├── StateError (RuntimeError)             a session's state could not be saved or restored
+    │   └── CheckpointTooLargeError           ... it passes max_checkpoint_bytes
     ├── SetupCodeError (RuntimeError)         a session's setup_code failed (raised by hand)
     ├── PathRefusedError (ValueError)         a session file path leaves its working directory
     ├── FileTransferError (RuntimeError)      a file operation could not be carried out
@@ -78,6 +82,23 @@ class BackgroundTaskError(KernelExecError, RuntimeError):
     Each failure is logged when it happens and the work goes on; ``aclose()`` then raises this,
     after everything is shut down, so the failure is not lost.
     """
+
+
+class BranchError(KernelExecError, RuntimeError):
+    """A fork, snapshot or restore of a live session failed (the session is unchanged)."""
+
+
+class BranchingNotSupportedError(KernelExecError, NotImplementedError):
+    """Sessions of this backend or isolation level cannot be forked or snapshotted; the
+    message names the level."""
+
+
+class StateError(KernelExecError, RuntimeError):
+    """A session's state could not be saved to (or restored from) its ``state_dir``."""
+
+
+class CheckpointTooLargeError(StateError):
+    """A checkpoint would pass ``max_checkpoint_bytes``; the message names the biggest names."""
 
 
 class SetupCodeError(KernelExecError, RuntimeError):

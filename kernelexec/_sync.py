@@ -18,6 +18,7 @@ from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from kernelexec._branching._family import AsyncSnapshot
 from kernelexec._core._executor import DEFAULT_AGENT, AsyncKernelExecutor
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._session import AsyncSession
@@ -25,7 +26,7 @@ from kernelexec._core._state import Lifecycle
 from kernelexec._envs._builder import ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._files._blocking import SessionCommands, SessionFiles
-from kernelexec._models import Execution, Isolation, ToolResult
+from kernelexec._models import Execution, Hibernation, Isolation, ToolResult
 from kernelexec._notebooks._replay import ReplayReport, areplay
 from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend
@@ -78,6 +79,34 @@ def _shutdown(portal: _Portal, executor: AsyncKernelExecutor) -> None:
         portal.call(executor.aclose)
     finally:
         portal.stop()
+
+
+class Snapshot:
+    """Blocking twin of :class:`~kernelexec.AsyncSnapshot`, from ``Session.snapshot``."""
+
+    def __init__(self, inner: AsyncSnapshot, portal: _Portal) -> None:
+        self.inner = inner
+        self._portal = portal
+
+    @property
+    def agent_id(self) -> str:
+        """The session it was taken of."""
+        return self.inner.agent_id
+
+    @property
+    def closed(self) -> bool:
+        """Whether it was closed."""
+        return self.inner.closed
+
+    def close(self) -> None:
+        """Free the snapshot; see :meth:`AsyncSnapshot.aclose`."""
+        self._portal.call(self.inner.aclose)
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Session:
@@ -176,6 +205,23 @@ class Session:
         """Replace the kernel with a fresh one; see :meth:`AsyncSession.restart`."""
         self._portal.call(self._inner.restart)
 
+    def hibernate(self) -> Hibernation:
+        """Save the state and give the kernel back; see :meth:`AsyncSession.hibernate`."""
+        return self._portal.call(self._inner.hibernate)
+
+    def fork(self, n: int = 1) -> list[Session]:
+        """Branch the live session into ``n`` children; see :meth:`AsyncSession.fork`."""
+        return [Session(c, self._portal) for c in self._portal.call(self._inner.fork, n)]
+
+    def snapshot(self) -> Snapshot:
+        """A frozen copy of the session; see :meth:`AsyncSession.snapshot`."""
+        return Snapshot(self._portal.call(self._inner.snapshot), self._portal)
+
+    def restore(self, snap: Snapshot) -> None:
+        """Put the session back to ``snap``; see :meth:`AsyncSession.restore`."""
+        inner = snap.inner if isinstance(snap, Snapshot) else snap
+        self._portal.call(self._inner.restore, inner)
+
     def close(self) -> None:
         """Shut the session's kernel down."""
         self._portal.call(self._inner.aclose)
@@ -241,6 +287,10 @@ class KernelExecutor:
     def env_for(self, tool: Tool | None, env: LocalEnv | VenvEnv | None = None) -> Any:
         """The environment a call runs in; see :meth:`AsyncKernelExecutor.env_for`."""
         return self._async.env_for(tool, env)
+
+    def delete_state(self, agent_id: str, env: LocalEnv | VenvEnv | None = None) -> bool:
+        """Delete an agent's saved state; see :meth:`AsyncKernelExecutor.delete_state`."""
+        return self._portal.call(self._async.delete_state, agent_id, env)
 
     def warm_up(self, env: LocalEnv | VenvEnv | None = None) -> None:
         """Build ``env`` if needed and wait for its prewarmed kernels; see

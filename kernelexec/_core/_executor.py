@@ -4,6 +4,7 @@ the kernel budget, the background tasks and the agents' sessions."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import weakref
@@ -11,15 +12,20 @@ from collections import OrderedDict
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
+from kernelexec._branching._family import Brancher
 from kernelexec._config import ExecutorConfig, make_config
 from kernelexec._core._attach import SessionRegistration
 from kernelexec._core._budget import KernelBudget
+from kernelexec._core._forking import SessionBranches
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._pool import KernelPool
 from kernelexec._core._session import AsyncSession
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
+from kernelexec._durable._keeper import Replayer, Runner, SessionState
+from kernelexec._durable._rebuild import replay
+from kernelexec._durable._store import StateStore
 from kernelexec._envs._builder import EnvBuilder, ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError
@@ -30,9 +36,11 @@ from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import bootstrap_request
 from kernelexec._tempdirs import make_owned_dir, sweep_once
 from kernelexec._tools._tool import Tool
-from kernelexec.backends._base import KernelBackend, KernelLaunch
+from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLaunch
 from kernelexec.backends._local import LocalBackend
 from kernelexec.backends._registry import get_backend
+
+log = logging.getLogger("kernelexec")
 
 DEFAULT_AGENT = "default"
 _MAX_REMEMBERED_LOSSES = 1_024
@@ -108,6 +116,25 @@ class AsyncKernelExecutor:
         )
         self._own_workdir = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self._store: StateStore | None = None
+        if self.config.state_dir is not None:
+            if not self.backend.host_filesystem:
+                raise ConfigError(
+                    f"state_dir: the {self.backend.name!r} backend does not support durable "
+                    "sessions yet (its kernels do not see this host's filesystem)"
+                )
+            self._store = StateStore(self.config.state_dir)
+        self._brancher = Brancher(self.config.start_timeout)
+        self._branches = SessionBranches(
+            self._brancher,
+            self._budget,
+            self._bootstrap,
+            self.config.start_timeout,
+            self.backend.name,
+            self._adopt_branch,
+        )
+        self._env_of: dict[str, Env] = {}  # fingerprint -> environment (for children)
+        self._branch_counts: dict[str, int] = {}  # agent id -> children forked so far
         self.backend.hold()
 
     @property
@@ -196,6 +223,8 @@ class AsyncKernelExecutor:
             except OSError as exc:
                 raise ConfigError(f"record_dir {cfg.record_dir}: {exc.strerror}") from None
         self._loop = asyncio.get_running_loop()
+        if self._store is not None:
+            self._store.open()
         await self._supervisor.start()
         self._budget.open()
         self._state.open()
@@ -212,6 +241,7 @@ class AsyncKernelExecutor:
             start_timeout=self.config.start_timeout,
             budget=self._budget,
             supervisor=self._supervisor,
+            keeper=self._brancher,
         )
         self._pools[fingerprint] = pool
         pool.open()
@@ -329,6 +359,7 @@ class AsyncKernelExecutor:
                 )
             return existing
         self._check_env(env)
+        self._env_of[fingerprint] = env
         cfg = self.config
         recorder = None
         if cfg.record:
@@ -345,6 +376,19 @@ class AsyncKernelExecutor:
             registration = SessionRegistration(agent_id, fingerprint, self.backend.name)
         lease = KernelLease(agent_id, lambda: self._pool_for(env), str(workdir), registration)
         lease.carry_lost(self._lost_by_agent.pop(key, []))
+        if self._store is not None:
+            assert isinstance(workdir, Path)
+            lease.keeper = SessionState(
+                self._store,
+                agent_id,
+                "" if env == self.env else fingerprint,
+                workdir,
+                checkpoint=cfg.checkpoint,
+                limit=cfg.max_checkpoint_bytes,
+                same_user=self.isolation_of(env).level == "none",
+            )
+            if recorder is not None:
+                lease.keeper.replayer = _replayer(recorder)
         lease.on_evicted = lambda: self._park(key)
         lease.on_attached = lambda: self._unpark(key, lease)
         self._budget.register(lease)
@@ -364,9 +408,39 @@ class AsyncKernelExecutor:
             observers=(registration,) if registration is not None else (),
             on_close=self._forget,
             setup_code=setup,
+            branches=self._branches,
         )
         self._sessions[key] = session
         return session
+
+    async def _adopt_branch(self, parent: AsyncSession, conn: KernelConnection) -> AsyncSession:
+        """The child session of ``parent`` around ``conn``, a fork of its kernel: a new agent
+        id, a copy of the parent's files, a recording that says where it branched from."""
+        count = self._branch_counts.get(parent.agent_id, 0)
+        while True:
+            count += 1
+            agent_id = f"{parent.agent_id}~{count}"
+            key = (agent_id, parent.fingerprint)
+            if key not in self._sessions and key not in self._parked:
+                break
+        self._branch_counts[parent.agent_id] = count
+        pool = parent.lease.pool
+        assert pool is not None  # the parent has a kernel
+        own = parent.setup_code[1:] if self.config.setup_code else parent.setup_code
+        child = await self.session(
+            agent_id,
+            self._env_of.get(parent.fingerprint, self.env),
+            setup_code=own[0] if own else None,  # the parent's, for the child's fresh kernels
+        )
+        if isinstance(parent.workdir, Path) and isinstance(child.workdir, Path):
+            await asyncio.to_thread(
+                shutil.copytree, parent.workdir, child.workdir, symlinks=True, dirs_exist_ok=True
+            )
+        pool.adopt(conn)
+        await child.lease.adopt(conn, pool, parent.lease.names)
+        if child.recorder is not None:
+            child.recorder.note_branch(parent.agent_id, parent.notebook)
+        return child
 
     def _park(self, key: tuple[str, str]) -> None:
         """The session's kernel was evicted: hold the session weakly from now on."""
@@ -497,6 +571,8 @@ class AsyncKernelExecutor:
         if not self._state.close():
             return
         sessions = [*self._sessions.values(), *self._parked.values()]
+        if self._store is not None:
+            await asyncio.shield(self._hibernate_all(sessions))
         self._sessions.clear()
         self._parked.clear()
         for session in sessions:
@@ -507,9 +583,63 @@ class AsyncKernelExecutor:
             await asyncio.shield(self._supervisor.aclose())
         finally:
             await asyncio.shield(asyncio.gather(*(p.aclose() for p in pools)))
+            await asyncio.shield(self._brancher.aclose())
             await asyncio.shield(self.backend.release())
+            if self._store is not None:
+                self._store.close()
             if self._own_workdir and isinstance(self._workdir, Path):
                 shutil.rmtree(self._workdir, ignore_errors=True)
+
+    async def _hibernate_all(self, sessions: list[AsyncSession]) -> None:
+        """Save every session that has a kernel before the kernels go; a session busy now
+        cannot be saved: its names are reported lost on resume (with ``after_call``, its last
+        completed call's checkpoint stays)."""
+
+        async def one(session: AsyncSession) -> None:
+            lease = session.lease
+            keeper = lease.keeper
+            if keeper is None or not lease.has_kernel:
+                return
+            if not lease.busy:
+                await lease.evict()
+            elif keeper.checkpoint == "on_evict":
+                await keeper.tombstone(
+                    list(lease.names), "the session was busy when its executor closed"
+                )
+
+        results = await asyncio.gather(*(one(s) for s in sessions), return_exceptions=True)
+        for session, result in zip(sessions, results, strict=True):
+            if isinstance(result, Exception):
+                log.warning("agent %r: not hibernated at close: %s", session.agent_id, result)
+
+    async def delete_state(self, agent_id: str, env: Env | None = None) -> bool:
+        """Delete the saved state of ``agent_id`` (in ``env``, default: the executor's) from
+        the ``state_dir``; whether there was any. A live session keeps its kernel's state.
+
+        Raises:
+            ConfigError: the executor has no ``state_dir``.
+        """
+        if self._store is None:
+            raise ConfigError("delete_state() needs an executor with a state_dir")
+        env = env or self.env
+        fingerprint = self.fingerprint_of(env)
+        key = "" if env == self.env else fingerprint
+        session = self._sessions.get((agent_id, fingerprint)) or self._parked.get(
+            (agent_id, fingerprint)
+        )
+        if session is not None and session.lease.keeper is not None:
+            session.lease.keeper.deleted()
+        return await asyncio.to_thread(self._store.delete, agent_id, key)
+
+
+def _replayer(recorder: SessionRecorder) -> Replayer:
+    """Rebuilds names from the cells ``recorder`` holds."""
+
+    async def rebuild(names: list[str], run: Runner) -> list[str]:
+        cells = recorder.notebook.cells
+        return await replay((c.source for c in cells if c.cell_type == "code"), names, run)
+
+    return rebuild
 
 
 def _resolve_backend(
