@@ -116,6 +116,7 @@ class AsyncKernelExecutor:
             self.config.max_output_chars, fast_calls=self.config.fast_calls
         )
         self._own_workdir = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._store: StateStore | None = None
         if self.config.state_dir is not None:
             if not self.backend.host_filesystem:
@@ -136,6 +137,12 @@ class AsyncKernelExecutor:
         self._env_of: dict[str, Env] = {}  # fingerprint -> environment (for children)
         self._branch_counts: dict[str, int] = {}  # agent id -> children forked so far
         self.backend.hold()
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the executor runs on (None until started); code on other threads
+        hands it calls with ``asyncio.run_coroutine_threadsafe``."""
+        return self._loop
 
     @property
     def env(self) -> Env:
@@ -216,6 +223,7 @@ class AsyncKernelExecutor:
                 os.makedirs(cfg.record_dir, exist_ok=True)
             except OSError as exc:
                 raise ConfigError(f"record_dir {cfg.record_dir}: {exc.strerror}") from None
+        self._loop = asyncio.get_running_loop()
         if self._store is not None:
             self._store.open()
         await self._supervisor.start()
