@@ -166,8 +166,9 @@ def wait_exited(pid: int, timeout: float = 15.0) -> bool:
             return False
         return True
     try:
-        readable, _, _ = select.select([fd], [], [], timeout)
-        return bool(readable)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(timeout * 1000))
     finally:
         os.close(fd)
 

@@ -66,6 +66,8 @@ class AsyncKernelExecutor:
     Raises:
         ConfigError: a configuration value is invalid, or the backend cannot run the
             configured environment (the message names it).
+        HostLimitError: the host cannot hold ``max_kernels`` kernels (the hard limit on open
+            files is too low; the message says what to change).
     """
 
     def __init__(
@@ -106,6 +108,8 @@ class AsyncKernelExecutor:
             self.config.max_output_chars, fast_calls=self.config.fast_calls
         )
         self._own_workdir = False
+        # Room for max_kernels first: when the host cannot hold them, nothing is held yet.
+        self.backend.reserve(self.config.max_kernels)
         self.backend.hold()
 
     @property

@@ -329,16 +329,19 @@ def _wait_for_fd_output(streams: list[Any]) -> None:
     C-level and subprocess output reaches the kernel through a pipe that a thread reads; at the
     end of a run some of it may not have been read yet, and it would then be sent after the
     run is over (and lost to the caller). Waits while a pipe has data, at most 50 ms; costs one
-    ``select`` per stream when the pipes are empty.
+    ``poll`` when the pipes are empty.
     """
     fds = [s._fid for s in streams if isinstance(getattr(s, "_fid", None), int)]
     if not fds:
         return
     deadline = time.monotonic() + 0.05
     waited = False
+    poller = select.poll()  # not select(): a descriptor above 1023 is fine here
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
     while time.monotonic() < deadline:
         try:
-            readable, _, _ = select.select(fds, [], [], 0)
+            readable = [fd for fd, ev in poller.poll(0) if ev & select.POLLIN]
         except (OSError, ValueError):
             return
         if not readable:

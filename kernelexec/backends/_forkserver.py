@@ -398,12 +398,16 @@ class ForkedProcess:
         self._pidfd: int | None = os.pidfd_open(pid)
         server.live += 1
 
-    def _ended(self, timeout: float) -> bool:
+    def _ended(self, timeout: float | None) -> bool:
+        """Whether the process has ended, waiting at most ``timeout`` seconds (None: no
+        limit)."""
         fd = self._pidfd
         if fd is None:
             return True
-        readable, _, _ = select.select([fd], [], [], timeout)
-        return bool(readable)
+        # poll(), not select(): select cannot take a descriptor above 1023 (the 128th kernel).
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
 
     def poll(self) -> int | None:
         """The exit status once the process has ended (reaping it), else None."""
@@ -429,7 +433,7 @@ class ForkedProcess:
             subprocess.TimeoutExpired: it still runs after ``timeout`` seconds.
         """
         if not self._done:
-            if not self._ended(timeout if timeout is not None else 1e9):
+            if not self._ended(timeout):
                 raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
             self._reap()
         return self.returncode

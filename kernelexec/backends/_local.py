@@ -44,6 +44,7 @@ from kernelexec._sandbox._bwrap import bwrap_argv
 from kernelexec._sandbox._launcher import launcher_argv, launcher_config
 from kernelexec._sandbox._plan import SandboxPlan, make_plan
 from kernelexec._tempdirs import make_owned_dir
+from kernelexec.backends import _hostlimits
 from kernelexec.backends._base import (
     KernelBackend,
     KernelConnection,
@@ -82,15 +83,25 @@ _LEAN_LAUNCHER = (
 )
 
 _CONTEXT: zmq.asyncio.Context | None = None
+_OLD_CONTEXTS: list[zmq.asyncio.Context] = []  # kept: their sockets may still be open
+_SOCKETS = _hostlimits.ZMQ_DEFAULT_SOCKETS
 log = logging.getLogger("kernelexec")
 _cgroups_swept = False
 
 
 def _context() -> zmq.asyncio.Context:
-    """kernelexec's zmq context: sockets retry a not-yet-bound kernel every 10 ms, not 100."""
+    """kernelexec's zmq context: sockets retry a not-yet-bound kernel every 10 ms, not 100, and
+    it holds the sockets of every kernel reserved (zmq's default cap is 1,023 sockets).
+
+    The cap is fixed once the context has a socket: when more are reserved later, new
+    kernels get a new context with a higher cap (the old one stays for its sockets)."""
     global _CONTEXT
+    if _CONTEXT is not None and _CONTEXT.get(zmq.MAX_SOCKETS) < _SOCKETS:
+        _OLD_CONTEXTS.append(_CONTEXT)
+        _CONTEXT = None
     if _CONTEXT is None:
         _CONTEXT = zmq.asyncio.Context()
+        _CONTEXT.set(zmq.MAX_SOCKETS, _SOCKETS)
         _CONTEXT.setsockopt(zmq.RECONNECT_IVL, 10)
     return _CONTEXT
 
@@ -172,12 +183,21 @@ class LocalBackend(KernelBackend):
         self.fork_server = enabled(fork_server)
         self._plans: dict[tuple[Any, ...], SandboxPlan] = {}
         self.forks = ForkServers()
+        self._reserved: list[int] = []  # max_kernels of each executor holding the backend
 
     def hold(self) -> None:
         self.forks.hold()
 
+    def reserve(self, kernels: int) -> None:
+        global _SOCKETS
+        total = _hostlimits.reserve(kernels)
+        self._reserved.append(kernels)
+        _SOCKETS = max(_SOCKETS, _hostlimits.sockets_needed(total))
+
     async def release(self) -> None:
         self.forks.release()
+        if self._reserved:
+            _hostlimits.unreserve(self._reserved.pop())
 
     def launch_kind(self, launch: KernelLaunch) -> str:
         """How kernels of ``launch`` are started: ``"fork server"`` or ``"plain"``."""
