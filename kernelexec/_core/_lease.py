@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 from kernelexec._core._pool import KernelPool
+from kernelexec._proctitle import kernel_title
 from kernelexec.backends._base import KernelConnection
 
 
@@ -108,7 +109,8 @@ class KernelLease:
         if not self._fresh:
             return None
         self._fresh = False
-        return {"cwd": self._workdir}
+        isolation = self._pool.launch.isolation if self._pool is not None else "none"
+        return {"cwd": self._workdir, "title": kernel_title(self.agent_id, isolation)}
 
     def update_names(self, names: tuple[str, ...]) -> None:
         """The user's variable names after a run."""

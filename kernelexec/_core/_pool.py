@@ -58,6 +58,11 @@ class KernelPool:
         self._state = Lifecycle("the executor", opened=True)
 
     @property
+    def launch(self) -> KernelLaunch:
+        """What this pool's kernels are started with."""
+        return self._launch
+
+    @property
     def size(self) -> int:
         """Kernels of this environment alive or starting."""
         return len(self._warm) + len(self._in_use) + self._starting

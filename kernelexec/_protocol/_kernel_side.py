@@ -417,6 +417,10 @@ def install() -> None:
         sys.set_int_max_str_digits(0)  # big integers cross as JSON both ways (see the README)
     budget = _Budget(int(cfg.get("max_output_chars", 1_000_000)))
     _state["budget"] = budget
+    if cfg.get("title_source"):
+        titles: dict[str, Any] = {}
+        exec(compile(cfg["title_source"], "<kernelexec title>", "exec"), titles)
+        _state["set_title"] = titles.get("kx_set_title")
     shell = _ip()
     _state["shell"] = shell
     kernel = shell.kernel
@@ -632,9 +636,9 @@ def _leave_env() -> None:
 def configure() -> None:
     """Apply per-session settings that ride on a session's first request (``pre_execute``).
 
-    The host adds ``configure`` (the working directory) to the metadata of the first request a
-    kernel gets from a session, which saves a round trip; that run's report also carries the
-    kernel's ``language_info`` (for notebook recordings).
+    The host adds ``configure`` (the working directory, the kernel's title) to the metadata of
+    the first request a kernel gets from a session, which saves a round trip; that run's report
+    also carries the kernel's ``language_info`` (for notebook recordings).
     """
     cfg = _payload().get("configure")
     if not cfg:
@@ -642,6 +646,9 @@ def configure() -> None:
     if cfg.get("cwd"):
         os.makedirs(cfg["cwd"], exist_ok=True)
         os.chdir(cfg["cwd"])
+    set_title = _state.get("set_title")
+    if cfg.get("title") and set_title is not None:
+        set_title(cfg["title"])  # ``kernelexec kernel <agent id> [<isolation>]`` in ps
     _state["language_info"] = dict(getattr(_ip().kernel, "language_info", {}))
 
 

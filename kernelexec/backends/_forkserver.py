@@ -38,13 +38,22 @@ import threading
 import time
 from typing import IO, Any
 
+from kernelexec import _proctitle
 from kernelexec._sandbox import _launcher
 from kernelexec.backends._stderr import stderr_tail
 
 log = logging.getLogger("kernelexec")
 
-SOURCE = r"""# kernelexec fork server
-import ctypes, json, os, signal, socket, sys
+SOURCE = (
+    "# kernelexec fork server\n"
+    + _proctitle.SOURCE
+    + f"kx_set_title({_proctitle.FORK_SERVER!r}, {_proctitle.COMMS[_proctitle.FORK_SERVER]!r})\n"
+    + f"KERNEL_COMM = {_proctitle.COMMS[_proctitle.KERNEL]!r}\n"
+    + r"""
+import ctypes, gc, json, os, signal, socket, sys
+# No collection while the server imports, and what it imported frozen before the first fork:
+# a child's collections then never write to the pages it shares with the server.
+gc.disable()
 libc = ctypes.CDLL(None, use_errno=True)
 libc.prctl(1, signal.SIGKILL, 0, 0, 0)
 host, fd, launcher_source = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
@@ -69,9 +78,12 @@ try:
     import ipykernel.debugger
 except ImportError:
     pass
+gc.collect()
+gc.freeze()
 
 def run_kernel(req):
     import atexit, tempfile, time, traceback
+    kx_set_title(req["title"], KERNEL_COMM)
     tempfile.tempdir = None
     time.tzset()
     sys.argv = ["-c"] + req["argv"]
@@ -93,6 +105,7 @@ def run_kernel(req):
 
 def child(req, fds):
     chan.close()
+    gc.enable()
     os.setsid()
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
@@ -150,6 +163,7 @@ while True:
         except ChildProcessError:
             answer({"status": None})
 """
+)
 
 # Read by Python or the C library when the interpreter starts: a fork cannot change them.
 _STARTUP_PREFIXES = ("PYTHON", "LC_", "MALLOC_", "LD_", "GLIBC_")
@@ -330,9 +344,11 @@ class ForkServer:
         cwd: str,
         stderr: int,
         launcher: dict[str, Any] | None,
+        title: str,
     ) -> int:
         """Fork a kernel: ``argv`` for ``IPKernelApp``, run under the launcher with the
-        configuration ``launcher`` (its ``host`` is this server), or directly when None.
+        configuration ``launcher`` (its ``host`` is this server), or directly when None; the
+        kernel shows ``title`` in ``ps``.
         Blocking (the first fork waits until the server has imported ipykernel).
 
         Raises:
@@ -340,7 +356,14 @@ class ForkServer:
         """
         if self._proc is None:
             raise ForkServerError("the fork server is not started")
-        req = {"op": "fork", "argv": argv, "env": env, "cwd": cwd, "launcher": launcher}
+        req = {
+            "op": "fork",
+            "argv": argv,
+            "env": env,
+            "cwd": cwd,
+            "launcher": launcher,
+            "title": title,
+        }
         reply = self._request(req, (stderr,))
         if "pid" not in reply:
             raise ForkServerError(f"the fork server could not fork: {reply.get('error')}")

@@ -38,6 +38,7 @@ import zmq.asyncio
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
+from kernelexec import _proctitle
 from kernelexec._exceptions import ConfigError, KernelStartError
 from kernelexec._sandbox import _cgroups, _users
 from kernelexec._sandbox._bwrap import bwrap_argv
@@ -81,6 +82,13 @@ _LEAN_LAUNCHER = (
     "from ipykernel import kernelapp\n"
     "kernelapp.launch_new_instance()\n"
 )
+
+
+def lean_launcher(title: str) -> str:
+    """The lean launcher's text for a plain kernel that shows ``title`` in ``ps``."""
+    comm = _proctitle.COMMS[_proctitle.KERNEL]
+    return f"{_proctitle.SOURCE}kx_set_title({title!r}, {comm!r})\n{_LEAN_LAUNCHER}"
+
 
 _CONTEXT: zmq.asyncio.Context | None = None
 _OLD_CONTEXTS: list[zmq.asyncio.Context] = []  # kept: their sockets may still be open
@@ -348,7 +356,7 @@ class LocalConnection(KernelConnection):
         bwrap = plan is not None and plan.level == "bwrap"
         if not bwrap and await self._fork(env, kernel_args, kdir):
             return await self._connect()
-        argv = [self._python, "-c", _LEAN_LAUNCHER, *kernel_args]
+        argv = [self._python, "-c", lean_launcher(self._title()), *kernel_args]
         if plan is not None:
             if bwrap:
                 writable = [kdir, *([self._workdir] if self._workdir else [])]
@@ -425,6 +433,7 @@ class LocalConnection(KernelConnection):
             cwd=kdir,
             stderr=stderr.fileno(),
             launcher=launcher,
+            title=self._title(),
         )
         if forked is None:
             stderr.close()
@@ -465,6 +474,10 @@ class LocalConnection(KernelConnection):
         self._seen.clear()
         self._pending.clear()
         self._died = None
+
+    def _title(self) -> str:
+        """The new kernel's title in ``ps`` until a session takes it."""
+        return _proctitle.kernel_title(None, self._plan.level if self._plan else "none")
 
     def _launcher_config(self, kdir: str, parent: int, *, bwrap: bool) -> dict[str, Any]:
         """The launcher's configuration for this kernel; ``parent`` is the process that
@@ -519,9 +532,7 @@ class LocalConnection(KernelConnection):
         # lean launcher's code.
         try:
             found = [
-                p
-                for p in psutil.Process(pid).children(recursive=True)
-                if any("from ipykernel import kernelapp" in arg for arg in p.cmdline())
+                p for p in psutil.Process(pid).children(recursive=True) if _is_kernel(p.cmdline())
             ]
         except psutil.Error:
             return None
@@ -752,6 +763,14 @@ async def _kill_process_group(km: AsyncKernelManager) -> None:
         os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
     with contextlib.suppress(Exception):
         proc.wait(timeout=5)
+
+
+def _is_kernel(cmdline: list[str]) -> bool:
+    """Whether a process is a plain-launched kernel: titled one, or still running the lean
+    launcher's code (the moment before it titles itself)."""
+    return " ".join(cmdline).startswith(_proctitle.KERNEL) or any(
+        "from ipykernel import kernelapp" in arg for arg in cmdline
+    )
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
