@@ -56,7 +56,8 @@ import ctypes, gc, json, os, signal, socket, sys
 gc.disable()
 libc = ctypes.CDLL(None, use_errno=True)
 libc.prctl(1, signal.SIGKILL, 0, 0, 0)
-host, fd, launcher_source = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+host, fd = int(sys.argv[1]), int(sys.argv[2])
+launcher_code = compile(sys.argv[3], "<kernelexec launcher>", "exec")  # once, shared by forks
 if os.getppid() != host:
     sys.exit(1)
 chan = socket.socket(fileno=fd)
@@ -84,6 +85,7 @@ gc.freeze()
 def run_kernel(req):
     import atexit, tempfile, time, traceback
     kx_set_title(req["title"], KERNEL_COMM)
+    gc.enable()  # in the kernel only: the launcher allocates little and lives long
     tempfile.tempdir = None
     time.tzset()
     sys.argv = ["-c"] + req["argv"]
@@ -105,7 +107,6 @@ def run_kernel(req):
 
 def child(req, fds):
     chan.close()
-    gc.enable()
     os.setsid()
     null = os.open(os.devnull, os.O_RDWR)
     os.dup2(null, 0)
@@ -124,7 +125,7 @@ def child(req, fds):
         run_kernel(req)
     sys.argv = ["-c", json.dumps(req["launcher"])]
     space = {"__name__": "__kx_launcher__", "run_kernel": lambda: run_kernel(req)}
-    exec(compile(launcher_source, "<kernelexec launcher>", "exec"), space)
+    exec(launcher_code, space)
 
 def answer(reply):
     chan.send(json.dumps(reply).encode())
