@@ -204,6 +204,7 @@ class LocalBackend(KernelBackend):
 
     async def release(self) -> None:
         self.forks.release()
+        _remove_left_dirs()
         if self._reserved:
             _hostlimits.unreserve(self._reserved.pop())
 
@@ -285,6 +286,10 @@ class LocalBackend(KernelBackend):
             detail = conn.diagnostics()
             await asyncio.shield(conn.shutdown())
             raise KernelStartError(f"kernel did not start within {timeout:g} s{detail}") from None
+        except (OSError, zmq.ZMQError) as exc:
+            # Out of descriptors or processes, say: a start that failed, not a crash.
+            await asyncio.shield(conn.shutdown())
+            raise KernelStartError(f"could not start a kernel: {exc}") from exc
         except BaseException:
             await asyncio.shield(conn.shutdown())
             raise
@@ -696,37 +701,70 @@ class LocalConnection(KernelConnection):
         await self.launch()
 
     async def shutdown(self) -> None:
+        # Every step runs even when one before it failed (a start that failed halfway, a host
+        # out of descriptors): a failure is logged, and the directory always goes.
         km, self._km = self._km, None
         kc, self._kc = self._kc, None
+        try:
+            self._close_channels(kc)
+        except Exception as exc:
+            log.warning("closing a kernel's channels failed: %r", exc)
+        self._pending.clear()
+        self._died = KernelDied("the kernel is shut down")
+        try:
+            await self._stop_processes(km)
+        except Exception as exc:
+            log.warning("stopping a kernel failed: %r", exc)
+        finally:
+            await self._release(km)
+
+    def _close_channels(self, kc: Any) -> None:
         for fd in self._fds:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(fd)
         self._fds = []
         if self._waiter is not None:
             _wake(self._waiter)
-        if kc is not None:
-            kc.stop_channels()
         self._senders = {}
-        for _, sock in self._drain:
+        drain, self._drain = self._drain, []
+        for _, sock in drain:
             sock.close(linger=0)
-        self._drain = []
-        self._pending.clear()
-        self._died = KernelDied("the kernel is shut down")
+        if kc is not None:
+            # Only the channels started: the client's stop_channels() would first open the
+            # stdin and heartbeat sockets it never used, just to ask whether they run.
+            for channel in (kc.shell_channel, kc.iopub_channel, kc.control_channel):
+                if channel.is_alive():
+                    channel.stop()
+
+    async def _stop_processes(self, km: AsyncKernelManager | None) -> None:
         forked, self._forked = self._forked, None
         if forked is not None:
-            await stop_forked(forked, launcher=self._plan is not None)
-            if self._forks is not None:
-                self._forks.kernel_ended(forked.server)
+            try:
+                await stop_forked(forked, launcher=self._plan is not None)
+            finally:
+                if self._forks is not None:
+                    self._forks.kernel_ended(forked.server)
         if km is not None:
             await self._stop_launcher(km)
-            if self._cgroup is not None:
-                cgroup, self._cgroup = self._cgroup, None
+
+    async def _release(self, km: AsyncKernelManager | None) -> None:
+        """What the kernel held on this host: its cgroup (its last processes killed), the
+        directories handed to its user, the process record, its stderr and directory."""
+        if self._cgroup is not None:
+            cgroup, self._cgroup = self._cgroup, None
+            try:
                 await asyncio.to_thread(cgroup.remove)
-            uid, self._uid = self._uid, None
-            entered, self._entered = self._entered, set()
-            if uid is not None:
-                for path in entered:
+            except Exception as exc:
+                log.warning("removing a kernel's cgroup failed: %r", exc)
+        uid, self._uid = self._uid, None
+        entered, self._entered = self._entered, set()
+        if uid is not None:
+            for path in entered:
+                try:
                     await asyncio.to_thread(_users.hand_back, path, uid)
+                except Exception as exc:
+                    log.warning("handing %s back failed: %r", path, exc)
+        if km is not None:
             if km.has_kernel:
                 try:
                     await km.shutdown_kernel(now=True)
@@ -738,8 +776,9 @@ class LocalConnection(KernelConnection):
             self._stderr.close()
             self._stderr = None
         if self._dir:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            _remove_dir(self._dir)
             self._dir = ""
+        _remove_left_dirs()
 
     async def _stop_launcher(self, km: AsyncKernelManager) -> None:
         """Have the launcher kill the kernel and every descendant, and wait until it has."""
@@ -763,6 +802,24 @@ async def _kill_process_group(km: AsyncKernelManager) -> None:
         os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
     with contextlib.suppress(Exception):
         proc.wait(timeout=5)
+
+
+_LEFT_DIRS: set[str] = set()
+"""Kernel directories that could not be removed (the host was out of descriptors): tried again
+at every later shutdown and when the backend is released."""
+
+
+def _remove_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path):
+        _LEFT_DIRS.add(path)
+
+
+def _remove_left_dirs() -> None:
+    for path in list(_LEFT_DIRS):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            _LEFT_DIRS.discard(path)
 
 
 def _is_kernel(cmdline: list[str]) -> bool:
