@@ -29,6 +29,7 @@ def kernel_pid(session: kx.Session) -> int:
 @pytest.mark.parametrize("level", ["process", "none"])
 def test_ps_names_every_process_kernelexec_starts(level: str) -> None:
     forked = enabled(True)
+    before = {p.pid for p in psutil.Process().children(recursive=True)}
     with kx.KernelExecutor(isolation=level, max_kernels=3) as ex:
         first, odd = ex.session("agent-7"), ex.session("odd\nname\tlong-" + "x" * 40)
         pid, odd_pid = kernel_pid(first), kernel_pid(odd)
@@ -36,7 +37,11 @@ def test_ps_names_every_process_kernelexec_starts(level: str) -> None:
         assert ps(pid, "comm") == "kx-kernel"
         # Control characters are shown as "?", never as a line of their own.
         assert ps(odd_pid) == f"kernelexec kernel odd?name?long-{'x' * 40} [{level}]"
-        mine = {p.pid for p in psutil.Process().children(recursive=True)}
+        mine = {
+            p.pid
+            for p in psutil.Process().children(recursive=True)
+            if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE
+        }
         parent = psutil.Process(pid).parent()
         assert parent is not None
         if level == "process":

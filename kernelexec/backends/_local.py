@@ -141,6 +141,7 @@ _POLL = 0.05
 (a non-blocking ``waitpid``: no I/O)."""
 
 _RECEIVED = ("shell", "iopub", "control")
+_POLLIN = int(zmq.POLLIN)  # a plain int: combining zmq's enum flags costs a call each
 _SEND_TRIES = 200
 _SEND_RETRY = 0.005
 """A request meets a full socket queue only when the kernel stopped reading: it is retried for
@@ -617,15 +618,17 @@ class LocalConnection(KernelConnection):
     def _drain_ready(self) -> None:
         # zmq's fd only signals changes (edge-triggered): read until the socket itself says
         # nothing is left, or a message that came in meanwhile would wait for the next edge.
+        # Asked before each read rather than read until zmq.Again: an exception per empty
+        # socket was eight per call, a sixth of a call's host time (cProfile).
         for channel, sock in self._drain:
             while True:
+                events = sock.getsockopt(zmq.EVENTS)
+                if not (isinstance(events, int) and events & _POLLIN):
+                    break
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
-                    events = sock.getsockopt(zmq.EVENTS)
-                    if isinstance(events, int) and events & zmq.POLLIN:
-                        continue
-                    break
+                    continue
                 msg = self._decode(channel, frames)
                 if msg is not None:
                     self._pending.append(msg)
