@@ -6,39 +6,136 @@ The async core is :class:`AsyncKernelExecutor` / :class:`AsyncSession`; :class:`
 :class:`KernelExecError`.
 """
 
+import importlib as _importlib
+import typing as _typing
 from importlib import metadata as _metadata
 
-from kernelexec._config import ExecutorConfig
-from kernelexec._core._executor import AsyncKernelExecutor
-from kernelexec._core._session import AsyncSession
-from kernelexec._envs._builder import BuiltEnv, EnvBuilder, EnvProgress
-from kernelexec._envs._envs import LocalEnv, VenvEnv
-from kernelexec._exceptions import (
-    BackgroundTaskError,
-    ConfigError,
-    EnvSetupError,
-    ExecutionError,
-    ExecutionTimeout,
-    ExecutorClosedError,
-    HostLimitError,
-    KernelExecError,
-    KernelStartError,
-    NotebookError,
-    PoolExhaustedError,
-    ToolDefinitionError,
-    ToolSchemaWarning,
-)
-from kernelexec._models import (
-    DEFAULT_ENV_ALLOWLIST,
-    ExecError,
-    Execution,
-    Isolation,
-    Limits,
-    ToolResult,
-)
-from kernelexec._notebooks._replay import CellDifference, ReplayReport, areplay
-from kernelexec._sync import KernelExecutor, Session, replay
-from kernelexec._tools._tool import Tool
+if _typing.TYPE_CHECKING:
+    from kernelexec._branching._family import AsyncSnapshot
+    from kernelexec._config import ExecutorConfig
+    from kernelexec._core._executor import AsyncKernelExecutor
+    from kernelexec._core._session import AsyncSession
+    from kernelexec._envs._builder import BuiltEnv, EnvBuilder, EnvProgress
+    from kernelexec._envs._envs import LocalEnv, VenvEnv
+    from kernelexec._exceptions import (
+        BackgroundTaskError,
+        BranchError,
+        BranchingNotSupportedError,
+        ConfigError,
+        EnvSetupError,
+        ExecutionError,
+        ExecutionTimeout,
+        ExecutorClosedError,
+        FileTransferError,
+        HostLimitError,
+        KernelExecError,
+        KernelStartError,
+        NotebookError,
+        PathRefusedError,
+        PoolExhaustedError,
+        SessionFileError,
+        SetupCodeError,
+        ToolDefinitionError,
+        ToolSchemaWarning,
+    )
+    from kernelexec._files._blocking import (
+        BlockingBackgroundCommand,
+        BlockingFileReader,
+        BlockingFileWriter,
+        SessionCommands,
+        SessionFiles,
+    )
+    from kernelexec._files._commands import (
+        AsyncSessionCommands,
+        BackgroundCommand,
+        CommandResult,
+    )
+    from kernelexec._files._session import AsyncSessionFiles, FileReader, FileWriter
+    from kernelexec._files._wire import FileInfo
+    from kernelexec._models import (
+        DEFAULT_ENV_ALLOWLIST,
+        ExecError,
+        Execution,
+        Isolation,
+        Limits,
+        ToolResult,
+    )
+    from kernelexec._notebooks._replay import CellDifference, ReplayReport, areplay
+    from kernelexec._sync import KernelExecutor, Session, Snapshot, replay
+    from kernelexec._tools._tool import Tool
+
+# Public names and the module each lives in, imported on first use (PEP 562), so that
+# `kernelexec --help` or `import kernelexec` does not pay for the whole library (1.4 s).
+_EXPORTS: dict[str, str] = {
+    "areplay": "kernelexec._notebooks._replay",
+    "AsyncKernelExecutor": "kernelexec._core._executor",
+    "AsyncSession": "kernelexec._core._session",
+    "AsyncSessionCommands": "kernelexec._files._commands",
+    "AsyncSessionFiles": "kernelexec._files._session",
+    "AsyncSnapshot": "kernelexec._branching._family",
+    "BackgroundCommand": "kernelexec._files._commands",
+    "BackgroundTaskError": "kernelexec._exceptions",
+    "BlockingBackgroundCommand": "kernelexec._files._blocking",
+    "BlockingFileReader": "kernelexec._files._blocking",
+    "BlockingFileWriter": "kernelexec._files._blocking",
+    "BranchError": "kernelexec._exceptions",
+    "BranchingNotSupportedError": "kernelexec._exceptions",
+    "BuiltEnv": "kernelexec._envs._builder",
+    "CellDifference": "kernelexec._notebooks._replay",
+    "CommandResult": "kernelexec._files._commands",
+    "ConfigError": "kernelexec._exceptions",
+    "DEFAULT_ENV_ALLOWLIST": "kernelexec._models",
+    "EnvBuilder": "kernelexec._envs._builder",
+    "EnvProgress": "kernelexec._envs._builder",
+    "EnvSetupError": "kernelexec._exceptions",
+    "ExecError": "kernelexec._models",
+    "Execution": "kernelexec._models",
+    "ExecutionError": "kernelexec._exceptions",
+    "ExecutionTimeout": "kernelexec._exceptions",
+    "ExecutorClosedError": "kernelexec._exceptions",
+    "ExecutorConfig": "kernelexec._config",
+    "FileInfo": "kernelexec._files._wire",
+    "FileReader": "kernelexec._files._session",
+    "FileTransferError": "kernelexec._exceptions",
+    "FileWriter": "kernelexec._files._session",
+    "HostLimitError": "kernelexec._exceptions",
+    "Isolation": "kernelexec._models",
+    "KernelExecError": "kernelexec._exceptions",
+    "KernelExecutor": "kernelexec._sync",
+    "KernelStartError": "kernelexec._exceptions",
+    "Limits": "kernelexec._models",
+    "LocalEnv": "kernelexec._envs._envs",
+    "NotebookError": "kernelexec._exceptions",
+    "PathRefusedError": "kernelexec._exceptions",
+    "PoolExhaustedError": "kernelexec._exceptions",
+    "replay": "kernelexec._sync",
+    "ReplayReport": "kernelexec._notebooks._replay",
+    "Session": "kernelexec._sync",
+    "SessionCommands": "kernelexec._files._blocking",
+    "SessionFileError": "kernelexec._exceptions",
+    "SessionFiles": "kernelexec._files._blocking",
+    "SetupCodeError": "kernelexec._exceptions",
+    "Snapshot": "kernelexec._sync",
+    "Tool": "kernelexec._tools._tool",
+    "ToolDefinitionError": "kernelexec._exceptions",
+    "ToolResult": "kernelexec._models",
+    "ToolSchemaWarning": "kernelexec._exceptions",
+    "VenvEnv": "kernelexec._envs._envs",
+}
+
+
+def __getattr__(name: str) -> object:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kernelexec' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 try:
     __version__ = _metadata.version("kernelexec")
@@ -63,9 +160,19 @@ def unload_ipython_extension(ipython: object) -> None:
 __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "AsyncKernelExecutor",
     "AsyncSession",
+    "AsyncSessionCommands",
+    "AsyncSessionFiles",
+    "AsyncSnapshot",
+    "BackgroundCommand",
     "BackgroundTaskError",
+    "BlockingBackgroundCommand",
+    "BlockingFileReader",
+    "BlockingFileWriter",
+    "BranchError",
+    "BranchingNotSupportedError",
     "BuiltEnv",
     "CellDifference",
+    "CommandResult",
     "ConfigError",
     "DEFAULT_ENV_ALLOWLIST",
     "EnvBuilder",
@@ -77,6 +184,10 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "ExecutionTimeout",
     "ExecutorClosedError",
     "ExecutorConfig",
+    "FileInfo",
+    "FileReader",
+    "FileTransferError",
+    "FileWriter",
     "HostLimitError",
     "Isolation",
     "KernelExecError",
@@ -85,9 +196,15 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "Limits",
     "LocalEnv",
     "NotebookError",
+    "PathRefusedError",
     "PoolExhaustedError",
     "ReplayReport",
     "Session",
+    "SessionCommands",
+    "SessionFileError",
+    "SessionFiles",
+    "SetupCodeError",
+    "Snapshot",
     "Tool",
     "ToolDefinitionError",
     "ToolResult",

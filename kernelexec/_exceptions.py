@@ -13,6 +13,17 @@ mean misuse of the API or a broken environment::
     ├── KernelStartError (RuntimeError)       a kernel did not start or become ready
     ├── EnvSetupError (RuntimeError)          a virtual environment could not be built
     ├── BackgroundTaskError (RuntimeError)    background work failed (raised at close)
+    ├── BranchError (RuntimeError)            a fork, snapshot or restore failed
+    ├── BranchingNotSupportedError (NotImplementedError)  this backend or level cannot fork
+    ├── SetupCodeError (RuntimeError)         a session's setup_code failed (raised by hand)
+    ├── PathRefusedError (ValueError)         a session file path leaves its working directory
+    ├── FileTransferError (RuntimeError)      a file operation could not be carried out
+    ├── SessionFileError (OSError)            the kernel's file system refused an operation
+    │   ├── SessionFileNotFoundError (FileNotFoundError)
+    │   ├── SessionIsADirectoryError (IsADirectoryError)
+    │   ├── SessionNotADirectoryError (NotADirectoryError)
+    │   ├── SessionPermissionError (PermissionError)
+    │   └── SessionFileExistsError (FileExistsError)
     └── ExecutionError                        raised on demand by Execution.raise_for_error()
         └── ExecutionTimeout (TimeoutError)   ... when the run timed out
 
@@ -21,7 +32,8 @@ Every exception survives pickling (they cross process boundaries in users' worke
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kernelexec._models import Execution
@@ -77,6 +89,74 @@ class BackgroundTaskError(KernelExecError, RuntimeError):
     """
 
 
+class BranchError(KernelExecError, RuntimeError):
+    """A fork, snapshot or restore of a live session failed (the session is unchanged)."""
+
+
+class BranchingNotSupportedError(KernelExecError, NotImplementedError):
+    """Sessions of this backend or isolation level cannot be forked or snapshotted; the
+    message names the level."""
+
+
+class SetupCodeError(KernelExecError, RuntimeError):
+    """A session's ``setup_code`` failed in a fresh kernel.
+
+    Calls do not raise it: their result has ``error.kind == "setup_failed"``; it is the class a
+    caller can raise from such a result.
+    """
+
+
+class PathRefusedError(KernelExecError, ValueError):
+    """A path given to ``session.files`` was refused: empty, absolute, ``..`` leaving the
+    working directory, or a link that resolves outside it (or not a regular file).
+
+    Attributes:
+        path: The path as the caller gave it.
+        reason: Why it was refused, in words.
+    """
+
+    def __init__(self, path: str, reason: str = "it leaves the working directory") -> None:
+        super().__init__(f"path {path!r} refused: {reason}")
+        self.path = path
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[PathRefusedError], tuple[str, str]]:
+        return (type(self), (self.path, self.reason))
+
+
+class FileTransferError(KernelExecError, RuntimeError):
+    """A file operation could not be carried out: the kernel died or timed out during it, or
+    it cannot serve file operations. The message says which."""
+
+
+class SessionFileError(KernelExecError, OSError):
+    """The kernel's file system refused an operation (``errno``, ``strerror`` and
+    ``filename`` are set as on any ``OSError``; ``filename`` is the session-relative path).
+
+    Subclasses also derive from the builtin a caller catches (``FileNotFoundError``, ...).
+    """
+
+
+class SessionFileNotFoundError(SessionFileError, FileNotFoundError):
+    """No such file or directory in the session."""
+
+
+class SessionIsADirectoryError(SessionFileError, IsADirectoryError):
+    """A file operation named a directory."""
+
+
+class SessionNotADirectoryError(SessionFileError, NotADirectoryError):
+    """A directory operation named a file (or a path went through a file)."""
+
+
+class SessionPermissionError(SessionFileError, PermissionError):
+    """The kernel's user may not do this."""
+
+
+class SessionFileExistsError(SessionFileError, FileExistsError):
+    """Something exists where a new entry was to be made."""
+
+
 class ExecutionError(KernelExecError):
     """A run ended with ``status="error"``; raised only by ``Execution.raise_for_error()``.
 
@@ -100,3 +180,14 @@ class ExecutionTimeout(ExecutionError, TimeoutError):
 
 class ToolSchemaWarning(UserWarning):
     """A tool's schema is incomplete (no docstring, an unannotated parameter); it still works."""
+
+
+def describe_problems(errors: Iterable[Mapping[str, Any]], default: str = "value") -> str:
+    """pydantic's error list as one line, each problem as ``field: message``, without pydantic's
+    "Value error, " prefixes or links (callers raise :class:`ConfigError` with it)."""
+    parts = []
+    for error in errors:
+        where = ".".join(str(p) for p in error.get("loc", ())) or default
+        cause = (error.get("ctx") or {}).get("error")
+        parts.append(f"{where}: {cause if cause is not None else error.get('msg')}")
+    return "; ".join(parts)

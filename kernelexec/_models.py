@@ -12,7 +12,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kernelexec._exceptions import ConfigError, ExecutionError, ExecutionTimeout
+from kernelexec._exceptions import (
+    ConfigError,
+    ExecutionError,
+    ExecutionTimeout,
+    describe_problems,
+)
 from kernelexec._tools._tool import Tool
 
 ErrorKind = Literal[
@@ -25,6 +30,7 @@ ErrorKind = Literal[
     "env_setup_failed",
     "cancelled",
     "limit_exceeded",
+    "setup_failed",
 ]
 
 DEFAULT_ENV_ALLOWLIST: tuple[str, ...] = (
@@ -77,10 +83,7 @@ class Limits(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-            )
-            raise ConfigError(f"invalid limits: {problems}") from None
+            raise ConfigError(f"invalid limits: {describe_problems(exc.errors())}") from None
 
     def given(self) -> dict[str, float]:
         """The limits set explicitly, by name."""
@@ -122,7 +125,9 @@ class ExecError(BaseModel):
             (its virtual environment could not be built; ``evalue`` ends with the installer's
             output), ``cancelled`` (the caller cancelled the call: seen only in recordings,
             since the caller got ``CancelledError``), ``limit_exceeded`` (the kernel was
-            killed for a resource limit; ``evalue`` names the limit and its value). Only
+            killed for a resource limit; ``evalue`` names the limit and its value),
+            ``setup_failed`` (the session's ``setup_code`` failed in a fresh kernel; the call
+            did not run, ``ename``/``traceback`` are the setup's error). Only
             kernelexec's own checks set the kinds other than ``exception``;
             an exception's class name never does.
         ename: Exception class name (e.g. ``"ValueError"``).

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from typing import Protocol
 
 from kernelexec._core._budget import KernelBudget
 from kernelexec._core._run import run_internal
@@ -20,6 +21,7 @@ from kernelexec._core._startup import restart_kernel, shutdown_fully, start_kern
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
 from kernelexec._exceptions import ExecutorClosedError, KernelStartError, PoolExhaustedError
+from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import WARM_TRACEBACKS, ExecuteRequest
 from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLaunch
 
@@ -27,6 +29,14 @@ log = logging.getLogger("kernelexec")
 
 REFILL_DELAY = 0.2
 """Seconds between handing out a warm kernel and starting its replacement."""
+
+
+class KernelKeeper(Protocol):
+    """May keep a kernel the pool lets go (one that other kernels were forked from)."""
+
+    async def released(self, conn: KernelConnection) -> bool:
+        """``conn`` is about to be shut down or replaced: True when the keeper keeps it (the
+        pool then leaves it alone), False when the pool shuts it down."""
 
 
 class KernelPool:
@@ -42,8 +52,10 @@ class KernelPool:
         start_timeout: float,
         budget: KernelBudget,
         supervisor: TaskSupervisor,
+        keeper: KernelKeeper | None = None,
     ) -> None:
         self._backend = backend
+        self._keeper = keeper
         self._launch = launch
         self._bootstrap = bootstrap
         self._prewarm = prewarm
@@ -56,6 +68,15 @@ class KernelPool:
         self._refilling = False
         self._changed = asyncio.Condition()
         self._state = Lifecycle("the executor", opened=True)
+        self._span_attributes = {
+            "kernelexec.backend": backend.name,
+            "kernelexec.isolation": launch.isolation,
+        }
+
+    @property
+    def warm(self) -> int:
+        """Kernels started and waiting for a session."""
+        return len(self._warm)
 
     @property
     def launch(self) -> KernelLaunch:
@@ -105,10 +126,22 @@ class KernelPool:
     async def replace(self, conn: KernelConnection) -> KernelConnection:
         """Swap a session's broken or stuck kernel for a fresh one (state is lost)."""
         self._state.check()
+        telemetry().count("kernel.restarts", self._span_attributes)
+        with telemetry().span("kernel.restart", self._span_attributes):
+            return await self._replace(conn)
+
+    async def _replace(self, conn: KernelConnection) -> KernelConnection:
         if self._warm:
             fresh = self._warm.popleft()
             self._in_use.add(fresh)
             await self.discard(conn)
+            return fresh
+        if self._keeper is not None and await self._keeper.released(conn):
+            # Kept for the kernels forked from it: the session gets a new one in its place
+            # (the budget's count passes from the kept kernel to the new one).
+            self._in_use.discard(conn)
+            fresh = await self._start()
+            self._in_use.add(fresh)
             return fresh
         try:
             await restart_kernel(conn, self._bootstrap, self._start_timeout)
@@ -117,13 +150,30 @@ class KernelPool:
             raise
         return conn
 
+    def adopt(self, conn: KernelConnection) -> None:
+        """Take a kernel started elsewhere (a branch) as one of this pool's, in use; the
+        caller has counted it in the budget."""
+        self._state.check()
+        self._in_use.add(conn)
+
+    async def exchange(self, old: KernelConnection | None, new: KernelConnection) -> None:
+        """A session puts ``new`` (a restored branch) in place of ``old``: ``new`` takes
+        ``old``'s place in the budget (the caller counted it when there was no ``old``)."""
+        self._in_use.add(new)
+        if old is None:
+            return
+        self._in_use.discard(old)
+        if self._keeper is None or not await self._keeper.released(old):
+            await shutdown_fully(old)
+
     async def discard(self, conn: KernelConnection) -> None:
         """Shut a kernel down and forget it."""
         known = conn in self._in_use or conn in self._warm
         self._in_use.discard(conn)
         with contextlib.suppress(ValueError):
             self._warm.remove(conn)
-        await shutdown_fully(conn)
+        if self._keeper is None or not await self._keeper.released(conn):
+            await shutdown_fully(conn)
         if known:
             self._budget.release()
         self._kick_refill()
@@ -149,8 +199,16 @@ class KernelPool:
         """Start one kernel; the caller has reserved it in the budget."""
         self._starting += 1
         try:
-            conn = await start_kernel(
-                self._backend, self._launch, self._bootstrap, self._start_timeout
+            with telemetry().span("kernel.start", self._span_attributes):
+                conn = await start_kernel(
+                    self._backend, self._launch, self._bootstrap, self._start_timeout
+                )
+            telemetry().count("kernel.starts", self._span_attributes)
+            log.debug(
+                "kernel started (pid %s; %s backend, isolation %s)",
+                conn.kernel_pid() or "-",
+                self._backend.name,
+                self._launch.isolation,
             )
         except BaseException:
             self._budget.release()

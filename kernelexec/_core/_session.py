@@ -9,10 +9,11 @@ is one). The kernel's lifecycle is the lease's (``_lease``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePath
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from nbformat import NotebookNode
 
@@ -22,12 +23,27 @@ from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
-from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
+from kernelexec._core._traced import traced_call
+from kernelexec._exceptions import (
+    BranchingNotSupportedError,
+    EnvSetupError,
+    ExecutorClosedError,
+)
+from kernelexec._files._commands import AsyncSessionCommands
+from kernelexec._files._link import KernelLink
+from kernelexec._files._session import AsyncSessionFiles
 from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
+from kernelexec._observability._otel import telemetry
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import ExecuteRequest
 from kernelexec._tools._tool import Tool
+
+if TYPE_CHECKING:
+    from kernelexec._branching._family import AsyncSnapshot
+    from kernelexec._core._forking import SessionBranches
+
+log = logging.getLogger("kernelexec.kernel")
 
 
 class RunObserver(Protocol):
@@ -67,8 +83,14 @@ class AsyncSession:
         observers: tuple[RunObserver, ...] = (),
         on_close: Callable[[AsyncSession], Awaitable[None]] | None = None,
         isolation: Isolation | None = None,
+        backend: str = "local",
+        setup_code: tuple[str, ...] = (),
+        branches: SessionBranches | None = None,
     ) -> None:
         self.agent_id = agent_id
+        self._branches = branches
+        self.backend = backend
+        """The name of the backend running the session's kernels (``local``, ``gateway``)."""
         self.isolation = isolation or Isolation(level="none")
         """What is in force for this session's kernel: ``.level``, and per limit and per
         boundary the mechanism that enforces it (see :class:`kernelexec.Isolation`)."""
@@ -87,6 +109,17 @@ class AsyncSession:
         self._on_close = on_close
         self._state = Lifecycle(f"session {agent_id!r}", opened=True)
         self._current: RunOutcome | None = None  # the run in progress, for a cancellation
+        self.setup_code = setup_code
+        """Code run in every fresh kernel of the session before its first call (the executor's
+        ``setup_code``, then the session's)."""
+        self._setup_done = 0  # the kernel generation that last ran setup_code
+        link = KernelLink(lease, self._state.check, str(workdir), timeout=default_timeout)
+        self.files = AsyncSessionFiles(link)
+        """Files in the session's working directory, moved through its kernel (see
+        :class:`kernelexec.AsyncSessionFiles`): ``await session.files.write("a.csv", data)``."""
+        self.commands = AsyncSessionCommands(link)
+        """Shell commands run in the background in the kernel while the session's other
+        calls go on (see :class:`kernelexec.AsyncSessionCommands`)."""
 
     # -- public API -------------------------------------------------------------------------
 
@@ -124,6 +157,7 @@ class AsyncSession:
         """The file the recording is saved to after every run (None: not saved)."""
         return self._recorder.path if self._recorder is not None else None
 
+    @traced_call("run_code")
     async def run_code(
         self,
         code: str,
@@ -173,6 +207,7 @@ class AsyncSession:
                 execution = execution.model_copy(update={"recording_error": problem})
         return execution
 
+    @traced_call("call_tool")
     async def call_tool(
         self,
         tool: Tool,
@@ -286,6 +321,64 @@ class AsyncSession:
             return {}
         return protocol.read_variables(out.reply)
 
+    async def fork(self, n: int = 1) -> list[AsyncSession]:
+        """Branch the live session: ``n`` new sessions whose kernels are copies of this one's
+        (every variable, import and definition; memory shared copy-on-write), which then go
+        their own ways. Waits for the running call; this kernel is paused only for one
+        ``fork()``.
+
+        Each child is a session of its own (agent id ``"<agent_id>~<k>"``), with its own
+        connection file and key, working directory (a copy of this one's files), recording
+        (starting with a cell naming this session) and, at ``"process"``, this session's
+        user and limits in a cgroup of its own. Threads started in this kernel do not exist
+        in a child: its first result warns about them on stderr. Children count against
+        ``max_kernels``; closing this session leaves them running.
+
+        Raises:
+            PoolExhaustedError: the children would exceed ``max_kernels`` (nothing forked).
+            BranchingNotSupportedError: this backend or isolation level cannot fork.
+            BranchError: the kernel could not be forked.
+        """
+        branches = self._need_branches()
+        async with self._lease.hold():
+            self._state.check()
+            with telemetry().span("session.fork", {**self._span_attributes(), "kernelexec.n": n}):
+                return await branches.fork(self, n)
+
+    async def snapshot(self) -> AsyncSnapshot:
+        """A frozen copy of this session (a paused fork of its kernel holding memory only for
+        the pages that later change, and a copy of its files) to :meth:`restore` later.
+
+        Raises:
+            BranchingNotSupportedError: this backend or isolation level cannot fork.
+            BranchError: the kernel could not be forked.
+        """
+        branches = self._need_branches()
+        async with self._lease.hold():
+            self._state.check()
+            with telemetry().span("session.snapshot", self._span_attributes()):
+                return await branches.snapshot(self)
+
+    async def restore(self, snap: AsyncSnapshot) -> None:
+        """Put the session back to exactly the state of ``snap`` (its variables and its
+        working directory's files); any number of times. Waits for the running call.
+
+        Raises:
+            ValueError: ``snap`` was taken of another session.
+            BranchError: the snapshot is closed, or the restored kernel did not start.
+        """
+        branches = self._need_branches()
+        async with self._lease.hold():
+            self._state.check()
+            with telemetry().span("session.restore", self._span_attributes()):
+                await branches.restore(self, snap)
+
+    def _need_branches(self) -> SessionBranches:
+        self._state.check()
+        if self._branches is None:
+            raise BranchingNotSupportedError("this session cannot be forked")
+        return self._branches
+
     async def interrupt(self) -> None:
         """Interrupt whatever the kernel is running now (the running call gets the error)."""
         self._state.check()
@@ -298,6 +391,7 @@ class AsyncSession:
         async with self._lease.hold():
             self._state.check()
             if self._lease.has_kernel:
+                log.info("agent %r: kernel restarted on request", self.agent_id)
                 await self._lease.lose_state()
 
     async def aclose(self) -> None:
@@ -315,6 +409,13 @@ class AsyncSession:
             observer.close()
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _span_attributes(self) -> dict[str, str]:
+        return {
+            "kernelexec.agent_id": self.agent_id,
+            "kernelexec.backend": self.backend,
+            "kernelexec.isolation": self.isolation.level,
+        }
 
     def _check_timeout(self, timeout: float | None) -> float:
         return self._timeout if timeout is None else valid_timeout(timeout)
@@ -365,6 +466,13 @@ class AsyncSession:
             fields = _not_run(error)
             fields["duration_s"] = time.monotonic() - start
             return fields, None, self._lease.generation
+        failed = await self._set_up(timeout)
+        if failed is not None:
+            fields = _not_run(failed)
+            fields["kernel_restarted"] = lost is not None
+            fields["lost_variables"] = sorted(set(lost or []))
+            fields["duration_s"] = time.monotonic() - start
+            return fields, None, self._lease.generation
         out = await self._send(request, timeout, callbacks)
         if out.died and not out.started:
             # The kernel died before it saw the request (e.g. killed between calls): the
@@ -376,6 +484,48 @@ class AsyncSession:
         fields["duration_s"] = time.monotonic() - start
         self._current = None  # the result owns its outputs now
         return fields, report, generation
+
+    @property
+    def setup_current(self) -> bool:
+        """Whether ``setup_code`` has run in the current kernel (a fork of it carries it)."""
+        return not self.setup_code or self._setup_done == self._lease.generation
+
+    def setup_inherited(self) -> None:
+        """The current kernel is a fork of one that ran ``setup_code``: not run again."""
+        self._setup_done = self._lease.generation
+
+    async def _set_up(self, timeout: float) -> ExecError | None:
+        """Run ``setup_code`` once per kernel, before its first call; the error when it failed
+        (it is tried again before the next call)."""
+        if not self.setup_code or self._setup_done == self._lease.generation:
+            return None
+        for code in self.setup_code:
+            out = await self._send(protocol.code_request(code), timeout, Callbacks())
+            self._current = None
+            reply = out.reply or {}
+            if out.died or out.stuck or out.timed_out:
+                what = "timed out" if out.timed_out or out.stuck else "killed its kernel"
+                if out.died or out.stuck:
+                    await self._lease.lose_state()
+                return ExecError(
+                    kind="setup_failed",
+                    ename="SetupCodeError",
+                    evalue=f"the session's setup_code {what}; the call did not run",
+                )
+            report = protocol.read_report(reply)
+            if report is not None:
+                self._lease.update_names(report.names)
+            if reply.get("status") != "ok" or out.collected.error is not None:
+                error = protocol.error_from(out.collected.error or reply, "exception")
+                return ExecError(
+                    kind="setup_failed",
+                    ename=error.ename,
+                    evalue=f"the session's setup_code raised {error.ename}: {error.evalue}; "
+                    "the call did not run",
+                    traceback=error.traceback,
+                )
+        self._setup_done = self._lease.generation
+        return None
 
     def _raise_if_closed_under_us(self) -> None:
         """A run ended by the executor closing (its kernels shut down under it) was not
@@ -477,6 +627,7 @@ class AsyncSession:
                 why = "the code asked the kernel to exit; a fresh kernel replaces it"
                 error = ExecError(kind="kernel_died", ename="KernelExited", evalue=why)
             restarted = True
+            log.warning("agent %r: %s", self.agent_id, why)
             lost_names += await self._lease.replace()
         else:
             report = protocol.read_report(reply)

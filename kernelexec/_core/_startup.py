@@ -59,6 +59,16 @@ async def restart_kernel(conn: KernelConnection, bootstrap: ExecuteRequest, time
     await _ready_and_installed(conn, bootstrap, deadline)
 
 
+async def make_ready(conn: KernelConnection, bootstrap: ExecuteRequest, timeout: float) -> None:
+    """Wait until an already started kernel (a branch) is ready and run ``bootstrap`` in it,
+    as :func:`start_kernel` does.
+
+    Raises:
+        KernelStartError: it did not become ready or the bootstrap failed.
+    """
+    await _ready_and_installed(conn, bootstrap, time.monotonic() + timeout)
+
+
 async def _ready_and_installed(
     conn: KernelConnection, bootstrap: ExecuteRequest, deadline: float
 ) -> None:

@@ -662,6 +662,9 @@ def configure() -> None:
     if cfg.get("cwd"):
         os.makedirs(cfg["cwd"], exist_ok=True)
         os.chdir(cfg["cwd"])
+        # Kept for the files helper: later code may chdir away, and a relative working
+        # directory (a gateway kernel's) means something else once the kernel is inside it.
+        _state["workdir"] = os.getcwd()
     set_title = _state.get("set_title")
     if cfg.get("title") and set_title is not None:
         set_title(cfg["title"])  # ``kernelexec kernel <agent id> [<isolation>]`` in ps

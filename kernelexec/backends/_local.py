@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import IO, Any, Literal
 
 import psutil
@@ -297,6 +298,20 @@ class LocalBackend(KernelBackend):
         return conn
 
 
+@dataclass(frozen=True)
+class KernelTenant:
+    """What a fork of a local kernel shares with it (read by ``kernelexec._branching``): how
+    it was launched, its confinement, and the user it runs as."""
+
+    python: str
+    extra_args: tuple[str, ...]
+    env: dict[str, str]
+    plan: SandboxPlan | None
+    workdir: str | None
+    uid: int | None
+    kdir: str
+
+
 class LocalConnection(KernelConnection):
     """A kernel process on this machine with its zmq channels (ipc sockets in a private dir)."""
 
@@ -338,7 +353,7 @@ class LocalConnection(KernelConnection):
 
     async def launch(self) -> None:
         """Start the process in a fresh private directory and connect its channels."""
-        # Short paths: ipc socket names must fit in sun_path (108 bytes).
+        _check_socket_room()
         self._dir = make_owned_dir("kx-")
         plan = self._plan
         kdir = self._dir
@@ -356,6 +371,8 @@ class LocalConnection(KernelConnection):
                     self._cgroup = _cgroups.KernelCgroup.create(plan.cgroup_limits)
                 except OSError as exc:
                     raise KernelStartError(f"could not set up the kernel's cgroup: {exc}") from exc
+        own_user = plan is not None and plan.own_user
+        env["PATH"] = _users.kernel_path(self._python, env.get("PATH"), own_user=own_user)
         env["IPYTHONDIR"] = os.path.join(kdir, "ipython")
         env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
         kernel_args = ["-f", "{connection_file}", *_KERNEL_FLAGS, *self._extra_args]
@@ -502,6 +519,18 @@ class LocalConnection(KernelConnection):
     def diagnostics(self, limit: int = 2000) -> str:
         return stderr_tail(self._stderr, "kernel stderr", limit)
 
+    def tenant(self) -> KernelTenant:
+        """How this kernel runs, for a fork of it (see :class:`KernelTenant`)."""
+        return KernelTenant(
+            self._python,
+            self._extra_args,
+            dict(self._env),
+            self._plan,
+            self._workdir,
+            self._uid,
+            self._dir,
+        )
+
     def connection_info(self) -> dict[str, Any] | None:
         km = self._km
         if km is None:
@@ -534,16 +563,30 @@ class LocalConnection(KernelConnection):
             except OSError:
                 return None
             return int(kids[0]) if kids else None
-        # Under the launcher (and bubblewrap) the kernel is the deepest process running the
-        # lean launcher's code.
+        # Under the launcher (and bubblewrap) the kernel is a process running the lean
+        # launcher's code (bubblewrap's command line holds it too).
         try:
             found = [
                 p for p in psutil.Process(pid).children(recursive=True) if _is_kernel(p.cmdline())
             ]
         except psutil.Error:
             return None
-        inner = [p for p in found if not any(q.ppid() == p.pid for q in found)]
-        return inner[0].pid if inner else None
+        # The kernel's own forks (branches: ``kernelexec._branching``) run the same code
+        # below it: the kernel is the one whose parent is not such a Python process.
+        pids = {p.pid: p for p in found}
+
+        def wrapper(proc: psutil.Process) -> bool:
+            return os.path.basename(str(proc.cmdline()[0])) == "bwrap"
+
+        try:
+            kernels = [
+                p
+                for p in found
+                if not wrapper(p) and (p.ppid() not in pids or wrapper(pids[p.ppid()]))
+            ]
+        except (psutil.Error, IndexError):
+            return None
+        return kernels[0].pid if kernels else None
 
     async def send(
         self,
@@ -836,3 +879,22 @@ def _is_kernel(cmdline: list[str]) -> bool:
 def _wake(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+# An ipc socket's path must fit in sun_path: 108 bytes with the terminating NUL. Ours are
+# <tempdir>/kx-XXXXXXXX/s-<n>: jupyter-client numbers a kernel's ipc sockets 1 to 5.
+_SUN_PATH_MAX = 107
+_SOCKET_SUFFIX = "kx-XXXXXXXX/s-5"
+
+
+def _check_socket_room() -> None:
+    """Refuse, with the fix, a temp directory too long to hold a kernel's ipc sockets (zmq
+    would fail deep in jupyter-client with "File name too long")."""
+    root = tempfile.gettempdir()
+    needed = len(os.fsencode(os.path.join(root, _SOCKET_SUFFIX)))
+    if needed > _SUN_PATH_MAX:
+        raise KernelStartError(
+            f"the temp directory {root!r} is too long for a kernel's ipc sockets: their paths "
+            f"would be {needed} bytes, and a Unix socket path may have at most {_SUN_PATH_MAX}. "
+            "Point TMPDIR at a shorter directory (for example TMPDIR=/tmp)."
+        )
