@@ -157,8 +157,9 @@ class Execution(BaseModel):
         duration_s: Wall-clock seconds from sending the request to having the whole result.
         kernel_restarted: True when this run cost the session its kernel state.
         lost_variables: When state was lost, the user variable names that existed before.
-        lost_outputs: Output messages the kernel sent that never arrived (the transport
-            dropped them while the host fell behind); ``stdout`` then ends with a
+        lost_outputs: Output messages the kernel sent that never arrived (refused by the
+            host, or lost by a broken transport; a slow host slows the kernel instead of
+            losing output); ``stdout`` then ends with a
             ``[kernelexec: N output messages ... lost ...]`` marker. 0 when all arrived.
         recording_error: Why this run could not be saved to the session's recording file
             (``None`` when it was saved, or nothing is recorded to a file). The notebook stays

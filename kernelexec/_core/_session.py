@@ -20,7 +20,7 @@ from nbformat import NotebookNode
 from kernelexec._aio import finish_shielded
 from kernelexec._config import valid_timeout
 from kernelexec._core._lease import KernelLease
-from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
+from kernelexec._core._outputs import CallbackFailed, Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._traced import traced_call
@@ -199,6 +199,13 @@ class AsyncSession:
                     )
                 )
                 raise
+            except CallbackFailed as failed:
+                await finish_shielded(
+                    self._record_cancelled(
+                        failed, kind="code", code=code, started=started, timeout_s=timeout
+                    )
+                )
+                raise _callers_error(failed) from None
             execution = Execution(**result)
             problem = await self._observe(
                 "code", execution, started, timeout, generation, report, {"code": code}
@@ -283,6 +290,19 @@ class AsyncSession:
                         )
                     )
                     raise
+                except CallbackFailed as failed:
+                    await finish_shielded(
+                        self._record_cancelled(
+                            failed,
+                            kind="tool_call",
+                            tool=tool,
+                            args=args,
+                            agent_state=agent_state,
+                            started=started,
+                            timeout_s=timeout,
+                        )
+                    )
+                    raise _callers_error(failed) from None
                 fields["sandbox_config_fingerprint"] = self.fingerprint
                 fields["agent_state"] = agent_state
                 if report is not None and report.result is not None:
@@ -480,7 +500,8 @@ class AsyncSession:
             lost = (lost or []) + await self._lease.replace()
             out = await self._send(request, timeout, callbacks)
         generation = self._lease.generation
-        fields, report = await self._finish(out, timeout, lost)
+        tool_call = protocol.is_tool_call(request)
+        fields, report = await self._finish(out, timeout, lost, tool_call=tool_call)
         fields["duration_s"] = time.monotonic() - start
         self._current = None  # the result owns its outputs now
         return fields, report, generation
@@ -537,10 +558,11 @@ class AsyncSession:
                 f"the executor was closed while a call of session {self.agent_id!r} ran"
             ) from None
 
-    async def _record_cancelled(self, **record: Any) -> None:
-        """A call its caller cancelled: replace the kernel now if the call did not stop when
-        interrupted (so the next call starts on a healthy kernel and is not blamed), and hand
-        the observers the run as far as it went (its outputs so far)."""
+    async def _record_cancelled(self, failed: CallbackFailed | None = None, **record: Any) -> None:
+        """A call its caller cancelled, or whose output hook raised (``failed``): replace the
+        kernel now if the call did not stop when interrupted (so the next call starts on a
+        healthy kernel and is not blamed), and hand the observers the run as far as it went
+        (its outputs so far)."""
         out, self._current = self._current, None
         generation = self._lease.generation
         replaced = out is not None and (out.stuck or out.died) and not self._state.closed
@@ -548,15 +570,16 @@ class AsyncSession:
             await self._lease.lose_state()  # the next run reports the lost names
         if not self._observers:
             return
-        why = "the caller cancelled the call; " + (
+        why = ("the caller cancelled the call; " if failed is None else f"{failed}; ") + (
             "it did not stop when interrupted, so its kernel was replaced and its state lost"
             if replaced
             else "it was interrupted"
         )
+        ename = "CancelledError" if failed is None else type(failed.error).__name__
         collected = out.collected if out is not None else Collected()
         fields: dict[str, Any] = {
             "status": "error",
-            "error": ExecError(kind="cancelled", ename="CancelledError", evalue=why),
+            "error": ExecError(kind="cancelled", ename=ename, evalue=why),
             "stdout": collected.stdout,
             "stderr": collected.stderr,
             "outputs": collected.outputs,
@@ -595,10 +618,11 @@ class AsyncSession:
             max_output_chars=self._max_output,
             callbacks=callbacks,
             out=self._current,
+            fence=conn.fenced,
         )
 
     async def _finish(
-        self, out: RunOutcome, timeout: float, lost: list[str] | None
+        self, out: RunOutcome, timeout: float, lost: list[str] | None, *, tool_call: bool
     ) -> tuple[dict[str, Any], protocol.Report | None]:
         error: ExecError | None = None
         restarted = lost is not None
@@ -641,7 +665,8 @@ class AsyncSession:
                     traceback=list((collected.error or {}).get("traceback") or []),
                 )
             elif reply.get("status") != "ok" or collected.error is not None:
-                error = protocol.error_from(collected.error or reply, protocol.failure_kind(reply))
+                kind = protocol.failure_kind(reply, tool_call=tool_call)
+                error = protocol.error_from(collected.error or reply, kind)
         lost_outputs = _account_outputs(collected, protocol.output_count(reply))
         fields: dict[str, Any] = {
             "status": "error" if error else "success",
@@ -669,7 +694,7 @@ def _account_outputs(collected: Collected, count: protocol.OutputCount | None) -
     if lost:
         notes.append(
             f"[kernelexec: {lost} output message(s) of {count.sent} lost: sent by the kernel, "
-            "never received (dropped in transit while the host fell behind, or refused)]"
+            "never received (refused by the host, or lost by a broken transport)]"
         )
     if count.suppressed:
         notes.append(
@@ -690,6 +715,16 @@ def _account_outputs(collected: Collected, count: protocol.OutputCount | None) -
         else:
             outputs.append({"output_type": "stream", "name": "stdout", "text": text})
     return lost
+
+
+def _callers_error(failed: CallbackFailed) -> Exception:
+    """The exception the caller's hook raised, noting what kernelexec did about it."""
+    error = failed.error
+    note = f"kernelexec: raised by the {failed.hook} callback; the run was interrupted"
+    add_note = getattr(error, "add_note", None)  # Python 3.11+
+    if callable(add_note):
+        add_note(note)
+    return error
 
 
 def _not_run(error: ExecError) -> dict[str, Any]:

@@ -143,6 +143,11 @@ _POLL = 0.05
 
 _RECEIVED = ("shell", "iopub", "control")
 _POLLIN = int(zmq.POLLIN)  # a plain int: combining zmq's enum flags costs a call each
+_PENDING_MAX = 1_000
+"""Messages taken off the sockets and not yet handed to ``receive``. Past this the sockets are
+left to fill: the kernel then waits for the host (its iopub socket never drops, see
+``_protocol/_kernel_output``), so a slow consumer holds at most this many here, plus ZMQ's
+receive queue of 1,000."""
 _SEND_TRIES = 200
 _SEND_RETRY = 0.005
 """A request meets a full socket queue only when the kernel stopped reading: it is retried for
@@ -662,9 +667,11 @@ class LocalConnection(KernelConnection):
         # zmq's fd only signals changes (edge-triggered): read until the socket itself says
         # nothing is left, or a message that came in meanwhile would wait for the next edge.
         # Asked before each read rather than read until zmq.Again: an exception per empty
-        # socket was eight per call, a sixth of a call's host time (cProfile).
+        # socket was eight per call, a sixth of a call's host time (cProfile). Past
+        # _PENDING_MAX the rest waits in the socket; ``receive`` drains again once
+        # ``_pending`` is empty.
         for channel, sock in self._drain:
-            while True:
+            while len(self._pending) < _PENDING_MAX:
                 events = sock.getsockopt(zmq.EVENTS)
                 if not (isinstance(events, int) and events & _POLLIN):
                     break
