@@ -2,7 +2,8 @@
 (``RLIMIT_NOFILE``) and zmq sockets.
 
 Each local kernel costs the host 8 descriptors (measured: three zmq sockets with a mailbox and
-a connection each, the kernel's pidfd and its stderr file). Most Linux hosts give a process a
+a connection each, the kernel's pidfd and its stderr file; a plain launch 9, with
+jupyter-client's control socket instead of the pidfd). Most Linux hosts give a process a
 soft limit of 1,024 open files and a much higher hard one: the soft limit is raised as far as
 ``max_kernels`` needs (not further, so a host application's own ``select()`` on low
 descriptors keeps working), with a log line; a hard limit below the need is an error that says
@@ -20,7 +21,7 @@ from kernelexec._exceptions import HostLimitError
 log = logging.getLogger("kernelexec")
 
 FDS_PER_KERNEL = 10
-"""Descriptors counted per kernel: the 8 measured, and room for a restart's overlap."""
+"""Descriptors counted per kernel: 8 measured for a forked kernel, 9 for a plain launch."""
 
 SPARE_FDS = 256
 """Descriptors left for everything else in the process (the event loop, logs, the caller)."""

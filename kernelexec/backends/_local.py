@@ -430,6 +430,9 @@ class LocalConnection(KernelConnection):
             transport="ipc",
             ip=os.path.join(kdir, "s"),
             connection_file=os.path.join(kdir, "kernel.json"),
+            # Ours: by default each manager makes a zmq context of its own (two threads and
+            # five descriptors per kernel in this process) for its one control socket.
+            context=_context(),
         )
         km.kernel_uid = self._uid
         return km
