@@ -6,7 +6,8 @@ mean misuse of the API or a broken environment::
     KernelExecError
     ├── ConfigError (ValueError)              bad executor or tool configuration
     │   ├── ToolDefinitionError               a Tool could not be built from what was given
-    │   └── NotebookError                     a notebook could not be read or used
+    │   ├── NotebookError                     a notebook could not be read or used
+    │   └── HostLimitError                    this host's limits cannot hold max_kernels
     ├── ExecutorClosedError (RuntimeError)    use after close
     ├── PoolExhaustedError (RuntimeError)     every kernel busy and max_kernels reached
     ├── KernelStartError (RuntimeError)       a kernel did not start or become ready
@@ -54,6 +55,12 @@ class ToolDefinitionError(ConfigError):
 
 class NotebookError(ConfigError):
     """A notebook could not be read, is not valid, or lacks what was asked of it."""
+
+
+class HostLimitError(ConfigError):
+    """The host cannot hold ``max_kernels`` kernels: a limit the process may not raise (the
+    hard ``RLIMIT_NOFILE``) is too low. The message says how many are needed, how many the
+    limit allows and what to change."""
 
 
 class ExecutorClosedError(KernelExecError, RuntimeError):

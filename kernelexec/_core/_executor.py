@@ -76,6 +76,8 @@ class AsyncKernelExecutor:
     Raises:
         ConfigError: a configuration value is invalid, or the backend cannot run the
             configured environment (the message names it).
+        HostLimitError: the host cannot hold ``max_kernels`` kernels (the hard limit on open
+            files is too low; the message says what to change).
     """
 
     def __init__(
@@ -136,6 +138,8 @@ class AsyncKernelExecutor:
         )
         self._env_of: dict[str, Env] = {}  # fingerprint -> environment (for children)
         self._branch_counts: dict[str, int] = {}  # agent id -> children forked so far
+        # Room for max_kernels first: when the host cannot hold them, nothing is held yet.
+        self.backend.reserve(self.config.max_kernels)
         self.backend.hold()
 
     @property

@@ -20,6 +20,7 @@ from kernelexec._core._run import run_internal
 from kernelexec._durable._keeper import SessionState
 from kernelexec._exceptions import ConfigError, StateError
 from kernelexec._models import Hibernation, Restored
+from kernelexec._proctitle import kernel_title
 from kernelexec._protocol._host import ExecuteRequest
 from kernelexec.backends._base import KernelConnection
 
@@ -170,7 +171,8 @@ class KernelLease:
         if not self._fresh:
             return None
         self._fresh = False
-        return {"cwd": self._workdir}
+        isolation = self._pool.launch.isolation if self._pool is not None else "none"
+        return {"cwd": self._workdir, "title": kernel_title(self.agent_id, isolation)}
 
     def update_names(self, names: tuple[str, ...]) -> None:
         """The user's variable names after a run."""
