@@ -303,7 +303,13 @@ class AsyncKernelExecutor:
         registration = None
         if cfg.attachable:
             registration = SessionRegistration(agent_id, fingerprint, self.backend.name)
-        lease = KernelLease(agent_id, lambda: self._pool_for(env), str(workdir), registration)
+        lease = KernelLease(
+            agent_id,
+            lambda: self._pool_for(env),
+            str(workdir),
+            registration,
+            env=cfg.env_vars if self.backend.filters_env else None,
+        )
         lease.carry_lost(self._lost_by_agent.pop(key, []))
         lease.on_evicted = lambda: self._park(key)
         lease.on_attached = lambda: self._unpark(key, lease)

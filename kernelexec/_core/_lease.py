@@ -38,6 +38,8 @@ class KernelLease:
         workdir: The session's working directory, as the kernel sees it; a fresh kernel
             creates it and changes into it on its first request.
         watcher: Told when the kernel changes.
+        env: Variables to set in each fresh kernel with its first request (the executor's
+            ``env_vars``, for a backend whose kernels may not get them at launch).
     """
 
     def __init__(
@@ -46,11 +48,13 @@ class KernelLease:
         pool: Callable[[], Awaitable[KernelPool]],
         workdir: str,
         watcher: KernelWatcher | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.workdir = workdir
         self._get_pool = pool
         self._workdir = workdir
+        self._env = dict(env or {})
         self._pool: KernelPool | None = None
         self._lock = asyncio.Lock()
         self._conn: KernelConnection | None = None
@@ -93,14 +97,16 @@ class KernelLease:
     async def attach(self) -> tuple[KernelConnection, list[str] | None]:
         """The kernel to run on (taken from the pool if none is attached), and the variable
         names lost since the last run when state was lost (else None)."""
-        lost, self._lost = self._lost, None
         if self._conn is None:
             if self._pool is None:
                 self._pool = await self._get_pool()
+            # If no kernel can be had now (a gateway that is down), the lost names wait for
+            # the run that gets one.
             self._conn = await self._pool.acquire()
             await self._attached()
             if self.on_attached is not None:
                 self.on_attached()
+        lost, self._lost = self._lost, None
         return self._conn, lost
 
     def take_settings(self) -> dict[str, Any] | None:
@@ -108,7 +114,15 @@ class KernelLease:
         if not self._fresh:
             return None
         self._fresh = False
-        return {"cwd": self._workdir}
+        settings: dict[str, Any] = {"cwd": self._workdir}
+        if self._env:
+            settings["env"] = self._env
+        return settings
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The user's variable names after the last run."""
+        return self._names
 
     def update_names(self, names: tuple[str, ...]) -> None:
         """The user's variable names after a run."""

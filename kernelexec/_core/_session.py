@@ -22,7 +22,12 @@ from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
-from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
+from kernelexec._exceptions import (
+    EnvSetupError,
+    ExecutorClosedError,
+    KernelStartError,
+    PoolExhaustedError,
+)
 from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._protocol import _host as protocol
@@ -447,6 +452,18 @@ class AsyncSession:
             out=self._current,
         )
 
+    async def _replace_kernel(self) -> tuple[list[str], str | None]:
+        """Replace the kernel a run ended: the names lost, or what stopped a fresh kernel
+        from starting (then the run that gets one reports the lost names)."""
+        names = ", ".join(self._lease.names) or "no variables"
+        try:
+            return await self._lease.replace(), None
+        except (KernelStartError, PoolExhaustedError) as exc:
+            return [], (
+                f"; no fresh kernel could be started ({exc}): the state ({names}) is lost, "
+                "and the next call starts a kernel and says so"
+            )
+
     async def _finish(
         self, out: RunOutcome, timeout: float, lost: list[str] | None
     ) -> tuple[dict[str, Any], protocol.Report | None]:
@@ -476,8 +493,12 @@ class AsyncSession:
             else:
                 why = "the code asked the kernel to exit; a fresh kernel replaces it"
                 error = ExecError(kind="kernel_died", ename="KernelExited", evalue=why)
-            restarted = True
-            lost_names += await self._lease.replace()
+            replaced, problem = await self._replace_kernel()
+            if problem is None:
+                restarted = True
+                lost_names += replaced
+            else:
+                error = error.model_copy(update={"evalue": error.evalue + problem})
         else:
             report = protocol.read_report(reply)
             if report is not None:

@@ -629,7 +629,8 @@ def _leave_env() -> None:
 def configure() -> None:
     """Apply per-session settings that ride on a session's first request (``pre_execute``).
 
-    The host adds ``configure`` (the working directory) to the metadata of the first request a
+    The host adds ``configure`` (the working directory, and for backends whose kernel service
+    may filter the environment the executor's ``env_vars``) to the metadata of the first request a
     kernel gets from a session, which saves a round trip; that run's report also carries the
     kernel's ``language_info`` (for notebook recordings).
     """
@@ -639,6 +640,8 @@ def configure() -> None:
     if cfg.get("cwd"):
         os.makedirs(cfg["cwd"], exist_ok=True)
         os.chdir(cfg["cwd"])
+    if cfg.get("env"):  # the executor's env_vars, where the backend's launch may drop them
+        os.environ.update(cfg["env"])
     _state["language_info"] = dict(getattr(_ip().kernel, "language_info", {}))
 
 
