@@ -24,6 +24,7 @@ from kernelexec._exceptions import (
     KernelStartError,
     NotebookError,
     PoolExhaustedError,
+    RequirementsMissingError,
     ToolDefinitionError,
     ToolSchemaWarning,
 )
@@ -85,6 +86,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "NotebookError",
     "PoolExhaustedError",
     "ReplayReport",
+    "RequirementsMissingError",
     "Session",
     "Tool",
     "ToolDefinitionError",

@@ -328,6 +328,7 @@ class AsyncKernelExecutor:
             isolation=self.isolation_of(env),
             observers=(registration,) if registration is not None else (),
             on_close=self._forget,
+            env=env if self.backend.host_filesystem else None,
         )
         self._sessions[key] = session
         return session

@@ -22,11 +22,13 @@ from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
+from kernelexec._envs._envs import LocalEnv, VenvEnv, missing_requirements
 from kernelexec._exceptions import (
     EnvSetupError,
     ExecutorClosedError,
     KernelStartError,
     PoolExhaustedError,
+    RequirementsMissingError,
 )
 from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
@@ -72,12 +74,16 @@ class AsyncSession:
         observers: tuple[RunObserver, ...] = (),
         on_close: Callable[[AsyncSession], Awaitable[None]] | None = None,
         isolation: Isolation | None = None,
+        env: LocalEnv | VenvEnv | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.isolation = isolation or Isolation(level="none")
         """What is in force for this session's kernel: ``.level``, and per limit and per
         boundary the mechanism that enforces it (see :class:`kernelexec.Isolation`)."""
         self.workdir = workdir
+        self.env = env
+        """The environment the session's kernel runs in, when it runs on this machine (tools'
+        ``pip_requirements`` are checked against it); None when the backend picks it."""
         self.fingerprint = fingerprint
         self._lease = lease
         self._timeout = default_timeout
@@ -205,6 +211,7 @@ class AsyncSession:
         """
         if not isinstance(tool, Tool):
             raise TypeError(f"tool must be a kernelexec.Tool, not {type(tool).__name__}")
+        self._check_requirements(tool)
         timeout = self._check_timeout(timeout)
         args = {} if args is None else args
         problems = tool.validate_args(args)
@@ -320,6 +327,28 @@ class AsyncSession:
             observer.close()
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _check_requirements(self, tool: Tool) -> None:
+        """Refuse a tool whose ``pip_requirements`` this session's environment lacks (it
+        would fail with ``ModuleNotFoundError``, or worse, run against other versions)."""
+        if not tool.pip_requirements or self.env is None:
+            return
+        missing = missing_requirements(self.env, tool.pip_requirements)
+        if not missing:
+            return
+        where = (
+            f"a venv with {', '.join(self.env.requirements) or 'no requirements'}"
+            if isinstance(self.env, VenvEnv)
+            else "the host's interpreter (LocalEnv)"
+        )
+        raise RequirementsMissingError(
+            f"tool {tool.name!r} needs {', '.join(tool.pip_requirements)}, but session "
+            f"{self.agent_id!r} runs in {where}, which lacks {', '.join(missing)}: call it "
+            "through the executor (executor.call_tool(tool, args, agent_id=...) runs it in a "
+            "venv with its requirements), or use the session "
+            "executor.session(agent_id, executor.env_for(tool))",
+            tuple(missing),
+        )
 
     def _check_timeout(self, timeout: float | None) -> float:
         return self._timeout if timeout is None else valid_timeout(timeout)
