@@ -319,33 +319,12 @@ def _cmd_schema(ns: argparse.Namespace) -> int:
 
 
 def _cmd_repl(ns: argparse.Namespace) -> int:
-    from IPython.core.inputtransformer2 import TransformerManager
-    from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import InMemoryHistory
+    from kernelexec._cli._repl import run_repl
 
-    completeness = TransformerManager()  # type: ignore[no-untyped-call]
-    prompt: PromptSession[str] = PromptSession(history=InMemoryHistory())
-    print("kernelexec repl: a persistent kernel; Ctrl-D to quit.", file=sys.stderr)
-    with KernelExecutor(**_record_config(ns)) as ex:
-        session = ex.session(ns.agent)
-        while True:
-            lines: list[str] = []
-            try:
-                lines.append(prompt.prompt(">>> "))
-                status, indent = completeness.check_complete("\n".join(lines) + "\n")
-                while status == "incomplete":
-                    lines.append(prompt.prompt("... ", default=" " * (indent or 0)))
-                    if not lines[-1].strip():
-                        break
-                    status, indent = completeness.check_complete("\n".join(lines) + "\n")
-            except KeyboardInterrupt:
-                continue
-            except EOFError:
-                _report_recording(ex, ns)
-                return EXIT_OK
-            code = "\n".join(lines)
-            if code.strip():
-                _print_result(session.run_code(code), False)
+    path = run_repl(_record_config(ns), ns.agent)
+    if path is not None:
+        print(f"recorded to {path}", file=sys.stderr)
+    return EXIT_OK
 
 
 def _cmd_mcp(ns: argparse.Namespace) -> int:
