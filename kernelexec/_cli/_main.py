@@ -150,6 +150,13 @@ def _parser() -> argparse.ArgumentParser:
         help="run the kernels in a venv with this requirement (repeatable)",
     )
     mcp.add_argument("--timeout", type=float, default=None, help="default seconds per run")
+    mcp.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="HTTP: end an MCP session idle for S seconds and shut its kernels down (default 1800)",
+    )
 
     demo = sub.add_parser("demo", help="a scripted stateful agent session")
     demo.add_argument("--calls", type=int, default=200, help="warm calls to time at the end")
@@ -349,6 +356,7 @@ def _cmd_mcp(ns: argparse.Namespace) -> int:
         isolation=ns.isolation,
         requirements=tuple(ns.requirement),
         timeout=ns.timeout,
+        idle_timeout=ns.idle_timeout,
     )
     serve(options)
     return EXIT_OK

@@ -14,7 +14,13 @@ from kernelexec._tools._tool import Tool
 
 BUILTIN_TOOLS = ("run_python", "list_sessions", "reset_session")
 TOKEN_ENV = "KERNELEXEC_MCP_TOKEN"
-_FLAGS = {"record_dir": "record", "requirements": "requirement"}  # field -> flag, where they differ
+DEFAULT_IDLE_TIMEOUT = 1800.0
+"""Seconds an HTTP MCP session may go without a request (the SDK's own default)."""
+_FLAGS = {
+    "record_dir": "record",
+    "requirements": "requirement",
+    "idle_timeout": "idle-timeout",
+}  # field -> flag, where they differ
 
 
 class McpOptions(BaseModel):
@@ -33,6 +39,9 @@ class McpOptions(BaseModel):
             None: the backend's default).
         requirements: Run the kernels in a virtual environment with these requirements.
         timeout: Default seconds a run may take before the kernel is interrupted.
+        idle_timeout: HTTP: seconds after which an MCP session with no request is ended and
+            its kernels shut down (a client that leaves without ending its session, as
+            stateless clients do, holds kernels that long).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -46,6 +55,7 @@ class McpOptions(BaseModel):
     isolation: str | None = None
     requirements: tuple[str, ...] = ()
     timeout: float | None = Field(None, gt=0)
+    idle_timeout: float = Field(DEFAULT_IDLE_TIMEOUT, gt=0, allow_inf_nan=False)
 
     @classmethod
     def from_flags(cls, **flags: Any) -> McpOptions:
