@@ -601,3 +601,39 @@ async def test_http_idle_timeout_flag_ends_abandoned_sessions_and_their_kernels(
 def test_idle_timeout_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["mcp", "--transport", "http", "--idle-timeout", "0"]) == 2
     assert "--idle-timeout" in capsys.readouterr().err
+
+
+def test_the_server_imports_no_kernel_machinery_before_it_answers_initialize() -> None:
+    # The stdio `initialize` waited 2.3 s of CPU for imports (jsonschema building
+    # rfc3987-syntax's grammars, jupyter-client, zmq, nbformat) and the executor's start; they
+    # now happen in the background after the server is up.
+    heavy = ("kernelexec._core._executor", "jsonschema", "nbformat", "zmq", "jupyter_client")
+    code = (
+        "import sys, kernelexec._mcp._serve, kernelexec._mcp._server\n"
+        f"print([m for m in {heavy!r} if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.slow
+async def test_an_executor_that_cannot_start_is_said_on_every_call(
+    server_tmp: Path, tmp_path: Path
+) -> None:
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the recordings' directory should be")
+    log = tmp_path / "server.log"
+    async with stdio_session(server_tmp, "--record", str(blocked / "runs"), errlog=log) as (
+        client,
+        _,
+    ):
+        tools = {tool.name for tool in (await client.list_tools()).tools}
+        assert "run_python" in tools
+        for _ in range(2):
+            result = await client.call_tool("run_python", {"code": "1"})
+            assert result.is_error
+            assert "could not start its kernels" in text_of(result)
+            assert str(blocked) in text_of(result)
+    assert "could not be started" in log.read_text()

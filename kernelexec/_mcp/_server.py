@@ -11,22 +11,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import anyio
-import jsonschema
 import mcp_types as types
 from mcp.server.context import ServerRequestContext
 from mcp.server.lowlevel import Server
 from mcp.shared.exceptions import MCPError
 
 from kernelexec._config import make_config
-from kernelexec._core._executor import AsyncKernelExecutor
-from kernelexec._core._session import AsyncSession
 from kernelexec._envs._envs import VenvEnv
 from kernelexec._exceptions import ConfigError, KernelExecError
 from kernelexec._mcp._options import McpOptions
@@ -39,6 +36,9 @@ from kernelexec._mcp._results import (
 from kernelexec._mcp._sessions import ClientConnection, SessionEntry, SessionRegistry
 from kernelexec._models import Execution
 from kernelexec._tools._tool import Tool
+
+if TYPE_CHECKING:
+    from kernelexec._core._session import AsyncSession
 
 log = logging.getLogger("kernelexec.mcp")
 
@@ -72,13 +72,80 @@ _SESSION_ONLY: dict[str, Any] = {
 _NO_ARGS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
 
 
-@dataclass
 class ServerState:
-    """What the server's lifespan yields: the sessions over its executor, and the tools."""
+    """What the server's lifespan yields: the tools, and once opened the sessions over its
+    executor.
 
-    registry: SessionRegistry
-    tools: dict[str, Tool]
-    grace: float
+    Opening imports the kernel machinery (jupyter-client, zmq, nbformat: most of the
+    server's start-up) and starts the executor; it runs in the background, so ``initialize``
+    is answered at once, and calls wait for it (:meth:`ready`).
+    """
+
+    def __init__(self, tools: dict[str, Tool]) -> None:
+        self.tools = tools
+        self._opened = anyio.Event()
+        self._registry: SessionRegistry | None = None
+        self._failure: KernelExecError | None = None
+
+    @property
+    def registry(self) -> SessionRegistry:
+        """The sessions (only after :meth:`ready`)."""
+        assert self._registry is not None, "ServerState.ready() was not awaited"
+        return self._registry
+
+    @property
+    def grace(self) -> float:
+        """The executor's interrupt grace, in seconds."""
+        return self.registry.executor.config.interrupt_grace
+
+    async def ready(self) -> None:
+        """Wait until the executor is open.
+
+        Raises:
+            KernelExecError: it could not be opened (the same error every time).
+        """
+        await self._opened.wait()
+        if self._failure is not None:
+            raise self._failure
+
+    async def open(self, executor_config: dict[str, Any]) -> None:
+        """Import the kernel machinery (in a worker thread) and start the executor; a failure
+        is kept for :meth:`ready` to raise."""
+        try:
+            self._registry = await _open_registry(executor_config)
+        except KernelExecError as exc:
+            log.error("the executor could not be started: %s: %s", type(exc).__name__, exc)
+            self._failure = exc
+        finally:
+            self._opened.set()
+
+    async def aclose(self) -> None:
+        """Close the executor (after an opening still under way has finished)."""
+        await self._opened.wait()
+        if self._registry is not None:
+            await self._registry.executor.aclose()
+            log.info("executor closed")
+
+
+def _import_machinery() -> None:
+    for module in ("kernelexec._core._executor", "jsonschema"):
+        importlib.import_module(module)
+
+
+async def _open_registry(executor_config: dict[str, Any]) -> SessionRegistry:
+    await anyio.to_thread.run_sync(_import_machinery)
+    from kernelexec._core._executor import AsyncKernelExecutor
+
+    executor = AsyncKernelExecutor(**executor_config)
+    try:
+        await executor.start()
+        if isinstance(executor.env, VenvEnv):
+            await executor.warm_up()  # build the venv now: a bad requirement fails at start
+    except BaseException:
+        with anyio.CancelScope(shield=True):
+            await executor.aclose()
+        raise
+    return SessionRegistry(executor)
 
 
 def builtin_tools() -> list[types.Tool]:
@@ -121,16 +188,19 @@ def build_server(options: McpOptions, tools: list[Tool]) -> Server[ServerState]:
 
     @asynccontextmanager
     async def lifespan(_: Server[ServerState]) -> AsyncIterator[ServerState]:
-        executor = AsyncKernelExecutor(**executor_config)
-        try:
-            await executor.start()
-            if isinstance(executor.env, VenvEnv):
-                await executor.warm_up()  # build the venv now: a bad requirement fails at start
-            yield ServerState(SessionRegistry(executor), by_name, executor.config.interrupt_grace)
-        finally:
-            with anyio.CancelScope(shield=True):
-                await executor.aclose()
-            log.info("executor closed")
+        state = ServerState(by_name)
+        async with anyio.create_task_group() as tg:
+            if isinstance(executor_config.get("env"), VenvEnv):
+                # Built before serving: a bad requirement stops the server at start.
+                await state.open(executor_config)
+                await state.ready()
+            else:
+                tg.start_soon(state.open, executor_config)
+            try:
+                yield state
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await state.aclose()
 
     async def list_tools(
         ctx: Context, params: types.PaginatedRequestParams | None
@@ -140,6 +210,11 @@ def build_server(options: McpOptions, tools: list[Tool]) -> Server[ServerState]:
     async def call_tool(ctx: Context, params: types.CallToolRequestParams) -> types.CallToolResult:
         state: ServerState = ctx.lifespan_context
         args = params.arguments or {}
+        try:
+            await state.ready()
+        except KernelExecError as exc:
+            message = f"the server could not start its kernels: {type(exc).__name__}: {exc}"
+            return error_result(message, kind="unavailable")
         try:
             if params.name == "run_python":
                 return await _run_python(ctx, state, args)
@@ -172,6 +247,8 @@ def build_server(options: McpOptions, tools: list[Tool]) -> Server[ServerState]:
 
 def _check(args: dict[str, Any], schema: dict[str, Any]) -> None:
     """Raise ``ConfigError`` naming what in ``args`` does not fit ``schema``."""
+    import jsonschema  # imported with the kernel machinery, after initialize
+
     error = jsonschema.exceptions.best_match(
         jsonschema.Draft202012Validator(schema).iter_errors(args)
     )

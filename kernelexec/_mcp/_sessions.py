@@ -12,10 +12,13 @@ import logging
 import re
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from kernelexec._core._executor import AsyncKernelExecutor
-from kernelexec._core._session import AsyncSession
 from kernelexec._exceptions import ConfigError
+
+if TYPE_CHECKING:  # the server answers initialize before the kernel machinery is imported
+    from kernelexec._core._executor import AsyncKernelExecutor
+    from kernelexec._core._session import AsyncSession
 
 log = logging.getLogger("kernelexec.mcp")
 
