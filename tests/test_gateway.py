@@ -58,7 +58,6 @@ def echo(value: str) -> dict:
         value: Any string.
     """
     import hashlib
-import json
     return {"value": value, "sha": hashlib.sha256(value.encode()).hexdigest()}
 '''
     )
