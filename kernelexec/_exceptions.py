@@ -15,6 +15,8 @@ mean misuse of the API or a broken environment::
     ├── BackgroundTaskError (RuntimeError)    background work failed (raised at close)
     ├── BranchError (RuntimeError)            a fork, snapshot or restore failed
     ├── BranchingNotSupportedError (NotImplementedError)  this backend or level cannot fork
+    ├── StateError (RuntimeError)             a session's state could not be saved or restored
+    │   └── CheckpointTooLargeError           ... it passes max_checkpoint_bytes
     ├── SetupCodeError (RuntimeError)         a session's setup_code failed (raised by hand)
     ├── PathRefusedError (ValueError)         a session file path leaves its working directory
     ├── FileTransferError (RuntimeError)      a file operation could not be carried out
@@ -106,6 +108,14 @@ class BranchError(KernelExecError, RuntimeError):
 class BranchingNotSupportedError(KernelExecError, NotImplementedError):
     """Sessions of this backend or isolation level cannot be forked or snapshotted; the
     message names the level."""
+
+
+class StateError(KernelExecError, RuntimeError):
+    """A session's state could not be saved to (or restored from) its ``state_dir``."""
+
+
+class CheckpointTooLargeError(StateError):
+    """A checkpoint would pass ``max_checkpoint_bytes``; the message names the biggest names."""
 
 
 class SetupCodeError(KernelExecError, RuntimeError):

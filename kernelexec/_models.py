@@ -143,6 +143,74 @@ class ExecError(BaseModel):
     traceback: list[str] = Field(default_factory=list)
 
 
+class Restored(BaseModel):
+    """What a restore brought back into a fresh kernel (``Execution.restored``).
+
+    Attributes:
+        names: The user's names that came back, sorted.
+        bytes: Size of the checkpoint that was read.
+        seconds: Time the restore took (reading, loading, replaying).
+        saved_at: When the checkpoint was written (ISO 8601, UTC).
+        not_restored: Each name that did not come back, with why (also in
+            ``lost_variables``).
+        replayed: Names rebuilt by running the recorded cells that made them again.
+        problems: What was wrong with the checkpoint (damaged, missing files): nothing of
+            what it says was loaded as a wrong value.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    names: list[str] = Field(default_factory=list)
+    bytes: int = 0
+    seconds: float = 0.0
+    saved_at: str | None = None
+    not_restored: dict[str, str] = Field(default_factory=dict)
+    replayed: list[str] = Field(default_factory=list)
+    problems: list[str] = Field(default_factory=list)
+
+
+class Hibernation(BaseModel):
+    """What :meth:`~kernelexec.AsyncSession.hibernate` saved.
+
+    Attributes:
+        saved: The user's names saved, sorted.
+        not_saved: Each name that could not be saved, with why (it will be reported lost).
+        bytes: Size of the checkpoint on disk.
+        seconds: Time the save took.
+        written_bytes: Bytes written by this save (unchanged records are not written again).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    saved: list[str] = Field(default_factory=list)
+    not_saved: dict[str, str] = Field(default_factory=dict)
+    bytes: int = 0
+    seconds: float = 0.0
+    written_bytes: int = 0
+
+
+class HibernatedAgent(BaseModel):
+    """One agent's saved state in a ``state_dir`` (``kernelexec sessions --state-dir``).
+
+    Attributes:
+        agent_id: The agent.
+        env: The environment fingerprint, when not the executor's default environment.
+        names: The saved names.
+        bytes: Size on disk.
+        saved_at: When it was saved (ISO 8601, UTC).
+        age_s: Seconds since then.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    agent_id: str
+    env: str = ""
+    names: list[str] = Field(default_factory=list)
+    bytes: int = 0
+    saved_at: str | None = None
+    age_s: float = 0.0
+
+
 class Execution(BaseModel):
     """The outcome of running code in a kernel.
 
@@ -166,6 +234,9 @@ class Execution(BaseModel):
             complete in memory and the next save writes it whole.
         widgets_dropped: How many ipywidgets the code displayed. No frontend renders them
             here, so ``outputs`` holds only their text fallback.
+        restored: Set on the first result after the session's state was restored from its
+            ``state_dir`` into a fresh kernel: what came back (names that did not are in
+            ``lost_variables``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -183,6 +254,7 @@ class Execution(BaseModel):
     lost_outputs: int = 0
     recording_error: str | None = None
     widgets_dropped: int = 0
+    restored: Restored | None = None
 
     @property
     def ok(self) -> bool:

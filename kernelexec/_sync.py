@@ -26,7 +26,7 @@ from kernelexec._core._state import Lifecycle
 from kernelexec._envs._builder import ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._files._blocking import SessionCommands, SessionFiles
-from kernelexec._models import Execution, Isolation, ToolResult
+from kernelexec._models import Execution, Hibernation, Isolation, ToolResult
 from kernelexec._notebooks._replay import ReplayReport, areplay
 from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend
@@ -205,6 +205,10 @@ class Session:
         """Replace the kernel with a fresh one; see :meth:`AsyncSession.restart`."""
         self._portal.call(self._inner.restart)
 
+    def hibernate(self) -> Hibernation:
+        """Save the state and give the kernel back; see :meth:`AsyncSession.hibernate`."""
+        return self._portal.call(self._inner.hibernate)
+
     def fork(self, n: int = 1) -> list[Session]:
         """Branch the live session into ``n`` children; see :meth:`AsyncSession.fork`."""
         return [Session(c, self._portal) for c in self._portal.call(self._inner.fork, n)]
@@ -283,6 +287,10 @@ class KernelExecutor:
     def env_for(self, tool: Tool | None, env: LocalEnv | VenvEnv | None = None) -> Any:
         """The environment a call runs in; see :meth:`AsyncKernelExecutor.env_for`."""
         return self._async.env_for(tool, env)
+
+    def delete_state(self, agent_id: str, env: LocalEnv | VenvEnv | None = None) -> bool:
+        """Delete an agent's saved state; see :meth:`AsyncKernelExecutor.delete_state`."""
+        return self._portal.call(self._async.delete_state, agent_id, env)
 
     def warm_up(self, env: LocalEnv | VenvEnv | None = None) -> None:
         """Build ``env`` if needed and wait for its prewarmed kernels; see

@@ -300,3 +300,17 @@ def test_fork_snapshot_and_restore_are_spans(otel: Otel) -> None:
         (span,) = otel.finished(name)
         assert span.parent is not None and span.parent.span_id == outer.context.span_id
         assert span.attributes is not None and span.attributes["kernelexec.agent_id"] == "brancher"
+
+
+def test_hibernate_and_restore_of_durable_state_are_spans(otel: Otel, tmp_path: Path) -> None:
+    with kx.KernelExecutor(isolation="none", state_dir=tmp_path / "state") as ex:
+        session = ex.session("sleeper")
+        session.run_code("x = 41")
+        session.hibernate()
+        woken = session.run_code("x + 1")
+        assert woken.result == "42" and woken.restored is not None
+    saves = otel.finished("kernelexec.state.save")  # hibernate(), then the close's own save
+    (restore,) = otel.finished("kernelexec.state.restore")
+    assert saves
+    for span in (*saves, restore):
+        assert span.attributes is not None and span.attributes["kernelexec.agent_id"] == "sleeper"

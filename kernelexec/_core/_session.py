@@ -24,6 +24,7 @@ from kernelexec._core._outputs import CallbackFailed, Callbacks, Collected, Outp
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._traced import traced_call
+from kernelexec._durable._kernel_state import HOOK_KEY
 from kernelexec._envs._envs import LocalEnv, VenvEnv, missing_requirements
 from kernelexec._exceptions import (
     BranchingNotSupportedError,
@@ -36,7 +37,15 @@ from kernelexec._exceptions import (
 from kernelexec._files._commands import AsyncSessionCommands
 from kernelexec._files._link import KernelLink
 from kernelexec._files._session import AsyncSessionFiles
-from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
+from kernelexec._models import (
+    ExecError,
+    Execution,
+    Hibernation,
+    Isolation,
+    RunRecord,
+    ToolResult,
+    now_iso,
+)
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol import _host as protocol
@@ -423,9 +432,29 @@ class AsyncSession:
                 log.info("agent %r: kernel restarted on request", self.agent_id)
                 await self._lease.lose_state()
 
+    async def hibernate(self) -> Hibernation:
+        """Save the session's state to the executor's ``state_dir`` and give its kernel back
+        now; the next call restores it into a fresh kernel (``result.restored``).
+
+        Waits for the running call (if any). Returns what was saved and what was not, with
+        why (those names are reported lost on restore).
+
+        Raises:
+            ConfigError: the executor has no ``state_dir``.
+            CheckpointTooLargeError: the state passes ``max_checkpoint_bytes`` (the kernel and
+                its state are kept; the message names the biggest names).
+            StateError: the state could not be saved (the kernel and its state are kept).
+        """
+        async with self._lease.hold():
+            self._state.check()
+            return await self._lease.hibernate()
+
     async def aclose(self) -> None:
-        """Shut the session's kernel down; later calls raise ``ExecutorClosedError``."""
+        """Shut the session's kernel down (hibernating it first, with a ``state_dir``);
+        later calls raise ``ExecutorClosedError``."""
         self.mark_closed()
+        if self._lease.keeper is not None:
+            await self._lease.evict()
         await self._lease.release()
         if self._on_close is not None:
             await self._on_close(self)
@@ -522,6 +551,7 @@ class AsyncSession:
             fields = _not_run(failed)
             fields["kernel_restarted"] = lost is not None
             fields["lost_variables"] = sorted(set(lost or []))
+            fields["restored"] = self._lease.take_restored()
             fields["duration_s"] = time.monotonic() - start
             return fields, None, self._lease.generation
         out = await self._send(request, timeout, callbacks)
@@ -533,6 +563,9 @@ class AsyncSession:
         generation = self._lease.generation
         tool_call = protocol.is_tool_call(request)
         fields, report = await self._finish(out, timeout, lost, tool_call=tool_call)
+        fields["restored"] = self._lease.take_restored()
+        if report is not None and self._lease.keeper is not None:
+            await self._lease.after_call(report.extras.get(HOOK_KEY))
         fields["duration_s"] = time.monotonic() - start
         self._current = None  # the result owns its outputs now
         return fields, report, generation

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from kernelexec._envs._envs import (
     ENV_INFO,
     KERNEL_REQUIREMENT,
+    STATE_REQUIREMENT,
     VenvEnv,
     default_cache_dir,
     python_version,
@@ -202,7 +203,8 @@ class EnvBuilder:
             python = env.interpreter
             venv_python = str(_venv_python(tmp))
             reqs = work / "requirements.txt"
-            reqs.write_text("\n".join([KERNEL_REQUIREMENT, *env.requirements]) + "\n")
+            kernel_reqs = [KERNEL_REQUIREMENT, STATE_REQUIREMENT]
+            reqs.write_text("\n".join([*kernel_reqs, *env.requirements]) + "\n")
             self._emit(fingerprint, "creating", f"creating a venv with {kind} ({python})", start)
             if uv is not None:
                 create = [uv, "venv", "--quiet", "--relocatable", "--python", python, str(tmp)]

@@ -80,11 +80,13 @@ class Report:
         names: The user's variable names now.
         result: A tool call's ``{"return": ..., "agent_state": ...}``, else None.
         language_info: The kernel's ``language_info`` (on a session's first run only).
+        extras: What hooks registered in the kernel side added (by key).
     """
 
     names: tuple[str, ...] = ()
     result: dict[str, Any] | None = None
     language_info: dict[str, Any] | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 def bootstrap_request(
@@ -269,7 +271,11 @@ def read_report(reply: dict[str, Any]) -> Report | None:
         names=tuple(str(n) for n in names) if isinstance(names, list) else (),
         result=result if isinstance(result, dict) else None,
         language_info=info if isinstance(info, dict) else None,
+        extras={k: v for k, v in data.items() if k not in _REPORT_FIELDS},
     )
+
+
+_REPORT_FIELDS = frozenset({"names", "result", "language_info"})
 
 
 def asked_exit(reply: dict[str, Any]) -> bool:

@@ -753,6 +753,8 @@ class _Report:
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         result, _state["result"] = _state["result"], None
         report: dict[str, Any] = {"names": user_names(), "result": result}
+        for key, hook in _state.get("report_hooks", {}).items():  # e.g. durable checkpoints
+            report[key] = hook()
         if _state.get("language_info"):
             report["language_info"] = _state.pop("language_info")
         return {RESULT_MIME: json.dumps(report, ensure_ascii=False, allow_nan=False)}
