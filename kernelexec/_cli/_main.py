@@ -201,6 +201,13 @@ def _parser() -> argparse.ArgumentParser:
         default=[],
         help="another MCP server (stdio command) whose tools code calls as tools.NAME.<tool>",
     )
+    mcp.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="HTTP: end an MCP session idle for S seconds and shut its kernels down (default 1800)",
+    )
 
     demo = sub.add_parser("demo", help="a scripted stateful agent session")
     demo.add_argument("--calls", type=int, default=200, help="warm calls to time at the end")
@@ -404,35 +411,12 @@ def _cmd_schema(ns: argparse.Namespace) -> int:
 
 
 def _cmd_repl(ns: argparse.Namespace) -> int:
-    from IPython.core.inputtransformer2 import TransformerManager
-    from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import InMemoryHistory
+    from kernelexec._cli._repl import run_repl
 
-    completeness = TransformerManager()  # type: ignore[no-untyped-call]
-    prompt: PromptSession[str] = PromptSession(history=InMemoryHistory())
-    from kernelexec._sync import KernelExecutor
-
-    print("kernelexec repl: a persistent kernel; Ctrl-D to quit.", file=sys.stderr)
-    with KernelExecutor(**_record_config(ns)) as ex:
-        session = ex.session(ns.agent)
-        while True:
-            lines: list[str] = []
-            try:
-                lines.append(prompt.prompt(">>> "))
-                status, indent = completeness.check_complete("\n".join(lines) + "\n")
-                while status == "incomplete":
-                    lines.append(prompt.prompt("... ", default=" " * (indent or 0)))
-                    if not lines[-1].strip():
-                        break
-                    status, indent = completeness.check_complete("\n".join(lines) + "\n")
-            except KeyboardInterrupt:
-                continue
-            except EOFError:
-                _report_recording(ex, ns)
-                return EXIT_OK
-            code = "\n".join(lines)
-            if code.strip():
-                _print_result(session.run_code(code), False)
+    path = run_repl(_record_config(ns), ns.agent)
+    if path is not None:
+        print(f"recorded to {path}", file=sys.stderr)
+    return EXIT_OK
 
 
 def _cmd_mcp(ns: argparse.Namespace) -> int:
@@ -458,6 +442,7 @@ def _cmd_mcp(ns: argparse.Namespace) -> int:
         requirements=tuple(ns.requirement),
         timeout=ns.timeout,
         upstream=tuple(ns.upstream),
+        idle_timeout=ns.idle_timeout,
     )
     serve(options)
     return EXIT_OK

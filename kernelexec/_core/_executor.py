@@ -379,7 +379,13 @@ class AsyncKernelExecutor:
         registration = None
         if cfg.attachable:
             registration = SessionRegistration(agent_id, fingerprint, self.backend.name)
-        lease = KernelLease(agent_id, lambda: self._pool_for(env), str(workdir), registration)
+        lease = KernelLease(
+            agent_id,
+            lambda: self._pool_for(env),
+            str(workdir),
+            registration,
+            env=cfg.env_vars if self.backend.filters_env else None,
+        )
         lease.carry_lost(self._lost_by_agent.pop(key, []))
         if self._store is not None:
             assert isinstance(workdir, Path)
@@ -415,6 +421,7 @@ class AsyncKernelExecutor:
             on_close=self._forget,
             setup_code=setup,
             branches=self._branches,
+            env=env if self.backend.host_filesystem else None,
         )
         self._sessions[key] = session
         return session

@@ -728,9 +728,10 @@ def _leave_env() -> None:
 def configure() -> None:
     """Apply per-session settings that ride on a session's first request (``pre_execute``).
 
-    The host adds ``configure`` (the working directory, the kernel's title) to the metadata of
-    the first request a kernel gets from a session, which saves a round trip; that run's report
-    also carries the kernel's ``language_info`` (for notebook recordings).
+    The host adds ``configure`` (the working directory, the kernel's title, and for backends
+    whose kernel service may filter the environment the executor's ``env_vars``) to the metadata
+    of the first request a kernel gets from a session, which saves a round trip; that run's
+    report also carries the kernel's ``language_info`` (for notebook recordings).
     """
     cfg = _payload().get("configure")
     if not cfg:
@@ -744,6 +745,8 @@ def configure() -> None:
     set_title = _state.get("set_title")
     if cfg.get("title") and set_title is not None:
         set_title(cfg["title"])  # ``kernelexec kernel <agent id> [<isolation>]`` in ps
+    if cfg.get("env"):  # the executor's env_vars, where the backend's launch may drop them
+        os.environ.update(cfg["env"])
     _state["language_info"] = dict(getattr(_ip().kernel, "language_info", {}))
 
 

@@ -199,11 +199,17 @@ class KernelBackend(abc.ABC):
             directories are host paths that kernelexec creates and removes; False when they are
             paths on the kernel's side (made by the kernel when a session starts).
         default_isolation: The isolation level of kernels when the executor names none.
+        filters_env: True when the service that starts kernels may drop variables of
+            :attr:`KernelLaunch.env` (a gateway passes on only those on its whitelist):
+            kernelexec then also sets the executor's ``env_vars`` in each fresh kernel, with
+            the first request a session sends it (too late for what the interpreter reads at
+            start, such as ``PYTHONPATH``).
     """
 
     name: ClassVar[str] = "custom"
     host_filesystem: ClassVar[bool] = False
     default_isolation: ClassVar[str] = "none"
+    filters_env: ClassVar[bool] = False
 
     @abc.abstractmethod
     async def start(self, launch: KernelLaunch, *, timeout: float) -> KernelConnection:
