@@ -39,7 +39,7 @@ from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
 from kernelexec._exceptions import ConfigError, KernelStartError
-from kernelexec._sandbox import _cgroups, _users
+from kernelexec._sandbox import _cgroups, _uids, _users
 from kernelexec._sandbox._bwrap import bwrap_argv
 from kernelexec._sandbox._launcher import launcher_argv, launcher_config
 from kernelexec._sandbox._plan import SandboxPlan, make_plan
@@ -311,7 +311,7 @@ class LocalConnection(KernelConnection):
         env = dict(self._env)
         if plan is not None:
             if plan.own_user:
-                self._uid = _users.uid_for(kdir)
+                self._uid = await asyncio.to_thread(_uids.allocate)
                 _users.hand_over(kdir, self._uid)
                 if self._workdir:
                     _users.allow_search(self._workdir)
@@ -691,11 +691,6 @@ class LocalConnection(KernelConnection):
             if self._cgroup is not None:
                 cgroup, self._cgroup = self._cgroup, None
                 await asyncio.to_thread(cgroup.remove)
-            uid, self._uid = self._uid, None
-            entered, self._entered = self._entered, set()
-            if uid is not None:
-                for path in entered:
-                    await asyncio.to_thread(_users.hand_back, path, uid)
             if km.has_kernel:
                 try:
                     await km.shutdown_kernel(now=True)
@@ -706,9 +701,17 @@ class LocalConnection(KernelConnection):
         if self._stderr is not None:
             self._stderr.close()
             self._stderr = None
+        uid, self._uid = self._uid, None
+        entered, self._entered = self._entered, set()
+        if uid is not None:
+            for path in entered:
+                await asyncio.to_thread(_users.hand_back, path, uid)
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = ""
+        if uid is not None:
+            # Only now: the uid's processes are gone and its files handed back or removed.
+            await asyncio.to_thread(_uids.release, uid)
 
     async def _stop_launcher(self, km: AsyncKernelManager) -> None:
         """Have the launcher kill the kernel and every descendant, and wait until it has."""

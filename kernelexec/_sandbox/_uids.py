@@ -1,0 +1,207 @@
+"""Allocating kernels' own uids on a root host: one machine-wide record, so no uid is handed out
+twice while anything it owns remains, across every host process.
+
+The record (``/var/lib/kernelexec/uids.json``, in a directory only root can read, under a file
+lock) holds the next uid to hand out and the uids in use, each with the host process that holds
+it. Uids are handed out in order and wrap only after :data:`UID_SPAN` allocations, so a uid
+comes back only after a hundred million other kernels; before a uid is reused (and whenever a
+holder is found dead) :func:`sweep` removes what it owns in the places every user can write:
+files, SysV IPC objects and processes.
+
+A uid is released by its holder when its kernel (or a build) has ended and been swept, or by the
+next allocation in any process once the holder process is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import shutil
+import signal
+import stat
+import tempfile
+from pathlib import Path
+
+import filelock
+import psutil
+
+from kernelexec._tempdirs import KERNEL_UID_BASE as UID_BASE
+from kernelexec._tempdirs import process_alive, process_start_time
+
+UID_SPAN = 100_000_000
+"""Kernel uids are ``UID_BASE`` to ``UID_BASE + UID_SPAN - 1``: far above system, login and
+subordinate-id ranges."""
+
+RECORD_DIR = Path("/var/lib/kernelexec")
+"""Where the record lives (persistent: files in ``/var/tmp`` outlive a reboot, and so must the
+knowledge of which uids were handed out)."""
+
+SHARED_PLACES = ("/tmp", "/var/tmp", "/dev/shm", "/dev/mqueue")
+"""Directories every user can write, where a kernel's uid may leave things behind."""
+
+
+def _record_dir() -> Path:
+    return RECORD_DIR
+
+
+def _locked() -> filelock.FileLock:
+    where = _record_dir()
+    where.mkdir(mode=0o700, parents=True, exist_ok=True)
+    os.chmod(where, 0o700)
+    return filelock.FileLock(str(where / "uids.lock"), thread_local=False)
+
+
+def _read(path: Path) -> dict[str, object]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {"next": 0, "live": {}}
+    return data if isinstance(data, dict) else {"next": 0, "live": {}}
+
+
+def _write(path: Path, data: dict[str, object]) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    tmp.write_text(json.dumps(data, separators=(",", ":")))
+    os.replace(tmp, path)
+
+
+def allocate(extra_places: tuple[str, ...] = ()) -> int:
+    """A uid no one holds, recorded as held by this process.
+
+    Holders found dead are swept (see :func:`sweep`, with ``extra_places``) and released on the
+    way; a uid that still runs processes is skipped.
+    """
+    pid = os.getpid()
+    me = [pid, process_start_time(pid)]
+    path = _record_dir() / "uids.json"
+    with _locked():
+        data = _read(path)
+        live = data.get("live")
+        live = dict(live) if isinstance(live, dict) else {}
+        for key, holder in list(live.items()):
+            if isinstance(holder, list) and len(holder) == 2 and holder[0] != pid:
+                if process_alive(int(holder[0]), str(holder[1])):
+                    continue
+            if isinstance(holder, list) and holder and holder[0] == pid:
+                continue
+            sweep(int(key), extra_places)
+            del live[key]
+        start = data.get("next")
+        n = start if isinstance(start, int) and 0 <= start < UID_SPAN else 0
+        for _ in range(UID_SPAN):
+            uid = UID_BASE + n
+            n = (n + 1) % UID_SPAN
+            if str(uid) in live or _has_processes(uid):
+                continue
+            sweep(uid, extra_places)  # only a uid's second life finds anything here
+            live[str(uid)] = me
+            _write(path, {"next": n, "live": live})
+            return uid
+    raise RuntimeError("every kernel uid is in use")
+
+
+def release(uid: int, extra_places: tuple[str, ...] = ()) -> None:
+    """Sweep what ``uid`` owns and hand it back (its kernel or build has ended)."""
+    sweep(uid, extra_places)
+    path = _record_dir() / "uids.json"
+    with _locked():
+        data = _read(path)
+        live = data.get("live")
+        if isinstance(live, dict):
+            live.pop(str(uid), None)
+            _write(path, data)
+
+
+def held() -> dict[int, int]:
+    """The uids in use and the host process holding each (for reports and tests)."""
+    data = _read(_record_dir() / "uids.json")
+    live = data.get("live")
+    if not isinstance(live, dict):
+        return {}
+    return {int(k): int(v[0]) for k, v in live.items() if isinstance(v, list) and v}
+
+
+def _has_processes(uid: int) -> bool:
+    for proc in psutil.process_iter(["uids"]):
+        uids = proc.info.get("uids")
+        if uids is not None and uid in (uids.real, uids.effective, uids.saved):
+            return True
+    return False
+
+
+def sweep(uid: int, extra_places: tuple[str, ...] = ()) -> list[str]:
+    """Remove what ``uid`` owns: its processes (killed), SysV IPC objects, and every file and
+    directory it owns under the places every user can write (:data:`SHARED_PLACES`, the
+    host's temp dir) and ``extra_places``. Returns what was removed."""
+    removed: list[str] = []
+    for proc in psutil.process_iter(["uids"]):
+        uids = proc.info.get("uids")
+        if uids is not None and uid in (uids.real, uids.effective, uids.saved):
+            with contextlib.suppress(psutil.Error):
+                proc.send_signal(signal.SIGKILL)
+                removed.append(f"process {proc.pid}")
+    removed += _sweep_ipc(uid)
+    places = {*SHARED_PLACES, tempfile.gettempdir(), *extra_places}
+    for place in sorted(places):
+        removed += _sweep_tree(place, uid)
+    return removed
+
+
+def _sweep_tree(place: str, uid: int) -> list[str]:
+    """Remove what ``uid`` owns under ``place`` (never following symlinks; a directory it
+    owns goes whole, a host directory is searched)."""
+    removed: list[str] = []
+    try:
+        entries = list(os.scandir(place))
+    except OSError:
+        return removed
+    for entry in entries:
+        try:
+            st = entry.stat(follow_symlinks=False)
+        except OSError:
+            continue
+        if st.st_uid == uid:
+            if stat.S_ISDIR(st.st_mode):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.unlink(entry.path)
+            removed.append(entry.path)
+        elif stat.S_ISDIR(st.st_mode) and (st.st_uid >= UID_BASE or st.st_mode & 0o002):
+            removed += _sweep_tree(entry.path, uid)  # another kernel's, or everyone's
+    return removed
+
+
+_IPC_RMID = 0
+_IPC_KINDS = (("shm", "shmctl"), ("msg", "msgctl"), ("sem", "semctl"))
+
+
+def _sweep_ipc(uid: int) -> list[str]:
+    """Remove the SysV shared memory segments, message queues and semaphore sets ``uid`` owns
+    (in the host's IPC namespace: a kernel in its own namespace leaves none here)."""
+    removed: list[str] = []
+    libc = ctypes.CDLL(None, use_errno=True)
+    for kind, call in _IPC_KINDS:
+        try:
+            lines = Path(f"/proc/sysvipc/{kind}").read_text().splitlines()
+        except OSError:
+            continue
+        if not lines:
+            continue
+        header = lines[0].split()
+        if "id" not in header or "uid" not in header:
+            continue
+        at_id, at_uid = header.index("id"), header.index("uid")
+        for line in lines[1:]:
+            fields = line.split()
+            if len(fields) <= max(at_id, at_uid) or int(fields[at_uid]) != uid:
+                continue
+            ident = int(fields[at_id])
+            if kind == "sem":
+                getattr(libc, call)(ident, 0, _IPC_RMID)
+            else:
+                getattr(libc, call)(ident, _IPC_RMID, None)
+            removed.append(f"SysV {kind} {ident}")
+    return removed
