@@ -84,7 +84,7 @@ def setup():
             fh.write(str(os.getpid()))
     for res, value in cfg["rlimits"]:
         resource.setrlimit(res, (value, value))
-    bridge(cfg["bridges"])
+    bridge(cfg["bridges"], cfg["scratch"])
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.umask(0o077)
@@ -144,10 +144,11 @@ def launcher_config(
     uid: int | None,
     host_pid: int,
     bridges: list[tuple[str, list[str]]] | None = None,
+    scratch: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """The launcher's configuration: the cgroup ``procs`` files to join, the rlimits, the
-    kernel's uid, the process that must be its parent, and the paths to bridge (see
-    :mod:`kernelexec._sandbox._mounts`). The plain launch passes it on the command line; a
+    kernel's uid, the process that must be its parent, the paths to bridge and the private
+    scratch space (see :mod:`kernelexec._sandbox._mounts`). The plain launch passes it on the command line; a
     fork server hands it to the launcher it runs in the forked child."""
     return {
         "procs": procs,
@@ -155,6 +156,7 @@ def launcher_config(
         "uid": uid,
         "host": host_pid,
         "bridges": bridges or [],
+        "scratch": scratch,
     }
 
 

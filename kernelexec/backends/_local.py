@@ -340,6 +340,7 @@ class LocalConnection(KernelConnection):
                         chdir=kdir,
                         network=plan.network,
                         uid=self._uid,
+                        tmp_mb=plan.scratch_mb,
                     ),
                     *argv,
                 ]
@@ -458,6 +459,7 @@ class LocalConnection(KernelConnection):
             uid=None if bwrap else self._uid,
             host_pid=parent,
             bridges=plan.bridges(kdir, self._workdir),
+            scratch=plan.scratch(kdir, self._workdir),
         )
 
     def diagnostics(self, limit: int = 2000) -> str:
