@@ -23,7 +23,7 @@ import json
 import sys
 from typing import Any
 
-from kernelexec._sandbox import _mounts
+from kernelexec._sandbox import _mounts, _seccomp
 
 # jupyter-client substitutes "{name}" in every argument: this text must contain none.
 SOURCE = (
@@ -85,6 +85,8 @@ def setup():
     for res, value in cfg["rlimits"]:
         resource.setrlimit(res, (value, value))
     bridge(cfg["bridges"], cfg["scratch"])
+    if cfg["no_userns"]:
+        drop_userns()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.umask(0o077)
@@ -98,6 +100,7 @@ def setup():
         os._exit(1)
 """
     + _mounts.SOURCE
+    + _seccomp.SOURCE
     + r"""
 launcher = os.getpid()
 run_kernel = globals().get("run_kernel")
@@ -145,10 +148,12 @@ def launcher_config(
     host_pid: int,
     bridges: list[tuple[str, list[str]]] | None = None,
     scratch: dict[str, Any] | None = None,
+    no_userns: bool = False,
 ) -> dict[str, Any]:
     """The launcher's configuration: the cgroup ``procs`` files to join, the rlimits, the
     kernel's uid, the process that must be its parent, the paths to bridge and the private
-    scratch space (see :mod:`kernelexec._sandbox._mounts`). The plain launch passes it on the command line; a
+    scratch space (see :mod:`kernelexec._sandbox._mounts`), and whether user namespaces are
+    taken away (:mod:`kernelexec._sandbox._seccomp`). The plain launch passes it on the command line; a
     fork server hands it to the launcher it runs in the forked child."""
     return {
         "procs": procs,
@@ -157,6 +162,7 @@ def launcher_config(
         "host": host_pid,
         "bridges": bridges or [],
         "scratch": scratch,
+        "no_userns": no_userns,
     }
 
 

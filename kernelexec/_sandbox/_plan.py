@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 
 from kernelexec._exceptions import ConfigError, KernelStartError
-from kernelexec._sandbox import _bwrap, _cgroups, _mounts, _users
+from kernelexec._sandbox import _bwrap, _cgroups, _mounts, _seccomp, _users
 
 LEVELS = ("none", "process", "bwrap")
 
@@ -79,6 +79,8 @@ class SandboxPlan:
     given: dict[str, float] = field(default_factory=dict)
     scratch_mb: int = 0
     """Size of the kernel's private ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (0: the host's)."""
+    no_userns: bool = False
+    """Whether the launcher takes user namespaces away (:mod:`kernelexec._sandbox._seccomp`)."""
 
     def limit_of(self, name: str) -> str:
         """``"memory_mb=256"``: a limit with its value, for errors."""
@@ -268,6 +270,9 @@ def make_plan(
                 )
             )
     kill = sup.kill
+    # Root-run bwrap creates no user namespace of its own, so the filter does not get in its
+    # way; an unprivileged bwrap needs one.
+    no_userns = _seccomp.supported() and (level == "process" or root)
     bounds = {
         "environment": "only the allowlisted variables and env_vars; HOME is the kernel's own "
         "directory",
@@ -313,6 +318,10 @@ def make_plan(
         )
         bounds["processes"] = "bwrap: own PID, IPC and UTS namespaces"
         reap = "PID namespace + --die-with-parent + subreaper launcher (host death: PDEATHSIG)"
+    if no_userns:
+        bounds["processes"] += "; no user namespaces (seccomp: unshare/clone CLONE_NEWUSER fail)"
+    else:
+        bounds["processes"] += "; user namespaces allowed (no seccomp filter on this host)"
     bounds["descendants"] = f"{kill} + {reap}" if kill else reap
     return SandboxPlan(
         level=level,
@@ -329,6 +338,7 @@ def make_plan(
         boundaries=bounds,
         given=dict(given),
         scratch_mb=scratch_mb,
+        no_userns=no_userns,
     )
 
 

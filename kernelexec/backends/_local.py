@@ -460,6 +460,7 @@ class LocalConnection(KernelConnection):
             host_pid=parent,
             bridges=plan.bridges(kdir, self._workdir),
             scratch=plan.scratch(kdir, self._workdir),
+            no_userns=plan.no_userns,
         )
 
     def diagnostics(self, limit: int = 2000) -> str:
