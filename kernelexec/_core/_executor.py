@@ -93,6 +93,7 @@ class AsyncKernelExecutor:
         # What forgotten sessions lost, told to their agent's next session (bounded).
         self._lost_by_agent: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
         self._dirs_used: set[str] = set()
+        self._dirs_made: set[str] = set()  # session directories this executor made
         self._pools: dict[str, KernelPool] = {}
         self._pool_locks: dict[str, asyncio.Lock] = {}
         self._tool_envs: dict[tuple[tuple[str, ...], str | None], VenvEnv] = {}
@@ -376,17 +377,27 @@ class AsyncKernelExecutor:
         self._dirs_used.discard(PurePath(session.workdir).name)
 
     def _session_dir(self, agent_id: str) -> PurePath:
+        """A session's directory: ``<workdir>/<agent id>``, or ``<agent id>-2``... when that
+        name is in use. On the host's filesystem the directory is made by this executor: one
+        that exists already (another executor sharing the workdir, or an earlier run) is never
+        taken over, so two executors never share a session's files."""
         assert self._workdir is not None
         base = safe_filename(agent_id)
-        name, n = base, 1
-        while name in self._dirs_used:
+        n = 1
+        while True:
+            name = base if n == 1 else f"{base}-{n}"
             n += 1
-            name = f"{base}-{n}"
-        self._dirs_used.add(name)
-        path = self._workdir / name
-        if isinstance(path, Path):
-            path.mkdir(parents=True, exist_ok=True)
-        return path
+            if name in self._dirs_used:
+                continue
+            path = self._workdir / name
+            if isinstance(path, Path) and name not in self._dirs_made:
+                try:
+                    path.mkdir()
+                except FileExistsError:
+                    continue
+                self._dirs_made.add(name)
+            self._dirs_used.add(name)
+            return path
 
     async def call_tool(
         self,
