@@ -150,7 +150,14 @@ class AsyncKernelExecutor:
             env=kernel_env(cfg),
             interpreter=interpreter,
             isolation=cfg.isolation or self.backend.default_isolation,
-            limits=cfg.limits.given() if cfg.limits is not None else {},
+            limits={
+                **(cfg.limits.given() if cfg.limits is not None else {}),
+                **(
+                    {"memory_budget_mb": float(cfg.memory_budget_mb)}
+                    if cfg.memory_budget_mb is not None
+                    else {}
+                ),
+            },
             network=cfg.network,
             workdir=workdir,
         )

@@ -34,6 +34,9 @@ def default_limits() -> dict[str, float]:
       host's process table (ipykernel itself needs about 12 threads).
     * ``max_open_files``: 4096, a common hard limit; below 128 ipykernel cannot start.
 
+    * ``memory_budget_mb``: three quarters of the host's memory for all of an executor's
+      kernels together, so sixteen kernels at the per-kernel default cannot commit eight
+      times the host's memory; a quarter stays for the host.
     * ``max_disk_mb``: a quarter of the smaller of the temp dir's free space and the host's
       memory (the scratch space is a tmpfs: memory, then swap), at least 64 MiB.
 
@@ -52,6 +55,7 @@ def default_limits() -> dict[str, float]:
         "max_processes": 512.0,
         "max_open_files": 4096.0,
         "max_disk_mb": float(disk),
+        "memory_budget_mb": float(total * 3 // (4 * 1024 * 1024)),
     }
 
 
@@ -81,6 +85,8 @@ class SandboxPlan:
     """Size of the kernel's private ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (0: the host's)."""
     no_userns: bool = False
     """Whether the launcher takes user namespaces away (:mod:`kernelexec._sandbox._seccomp`)."""
+    budget_mb: float = 0
+    """Memory of all of an executor's kernels together (0: no budget)."""
 
     def limit_of(self, name: str) -> str:
         """``"memory_mb=256"``: a limit with its value, for errors."""
@@ -208,11 +214,27 @@ def make_plan(
     env: dict[str, str] = {}
     text: dict[str, str] = {}
     scratch_mb = 0
+    budget_mb = 0.0
     for name, value in sorted(limits.items()):
         explicit = name in given
         mech = sup.mechanism(name)
         shown = f"{value:g}"
-        if mech is not None:
+        if name == "memory_budget_mb":
+            hier = _cgroups.BudgetGroup.hierarchy()
+            if hier is None:
+                if explicit:
+                    raise ConfigError(
+                        f"memory_budget_mb={shown} needs a writable cgroup memory controller "
+                        "(cgroup v2, or v1 as root), which this host does not offer"
+                    )
+                continue
+            budget_mb = value
+            file = "memory.max" if hier.version == 2 else "memory.limit_in_bytes"
+            text[name] = (
+                f"{shown} (cgroup v{hier.version} {file} of a parent group holding every kernel "
+                "of the executor)"
+            )
+        elif mech is not None:
             cg[name] = value
             text[name] = f"{shown} ({mech})"
         elif name == "memory_mb":
@@ -332,13 +354,14 @@ def make_plan(
         own_user=own_user,
         bridge=bool(bridges) or (level == "process" and bool(scratch_mb)),
         reach=reach,
-        use_cgroup=bool(cg) or kill is not None,
+        use_cgroup=bool(cg) or kill is not None or bool(budget_mb),
         readonly=paths,
         limits_text=text,
         boundaries=bounds,
         given=dict(given),
         scratch_mb=scratch_mb,
         no_userns=no_userns,
+        budget_mb=budget_mb,
     )
 
 

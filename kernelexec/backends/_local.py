@@ -172,6 +172,7 @@ class LocalBackend(KernelBackend):
         self.fork_server = enabled(fork_server)
         self._plans: dict[tuple[Any, ...], SandboxPlan] = {}
         self.forks = ForkServers()
+        self._budgets: dict[float, _cgroups.BudgetGroup] = {}
 
     def hold(self) -> None:
         self.forks.hold()
@@ -243,6 +244,11 @@ class LocalBackend(KernelBackend):
         if plan.use_cgroup and not _cgroups_swept:
             _cgroups_swept = True
             _cgroups.sweep_stale()  # groups that killed hosts left (their processes are gone)
+        budget = None
+        if plan.budget_mb:
+            budget = self._budgets.setdefault(
+                plan.budget_mb, _cgroups.BudgetGroup(plan.budget_mb)
+            )
         conn = LocalConnection(
             python,
             self.extra_args,
@@ -250,6 +256,7 @@ class LocalBackend(KernelBackend):
             plan,
             launch.workdir,
             forks=self.forks if self.launch_kind(launch) == "fork server" else None,
+            budget=budget,
         )
         try:
             await asyncio.wait_for(conn.launch(), timeout)
@@ -274,8 +281,11 @@ class LocalConnection(KernelConnection):
         plan: SandboxPlan | None = None,
         workdir: str | None = None,
         forks: ForkServers | None = None,
+        budget: _cgroups.BudgetGroup | None = None,
     ) -> None:
         self._python = python
+        self._budget = budget
+        self._in_budget = False
         self._forks = forks
         self._forked: ForkedProcess | None = None
         self.launched_by = ""
@@ -319,7 +329,10 @@ class LocalConnection(KernelConnection):
             env.update(plan.extra_env)
             if plan.use_cgroup:
                 try:
-                    self._cgroup = _cgroups.KernelCgroup.create(plan.cgroup_limits)
+                    if self._budget is not None:
+                        self._budget.enter()
+                        self._in_budget = True
+                    self._cgroup = _cgroups.KernelCgroup.create(plan.cgroup_limits, self._budget)
                 except OSError as exc:
                     raise KernelStartError(f"could not set up the kernel's cgroup: {exc}") from exc
         env["IPYTHONDIR"] = os.path.join(kdir, "ipython")
@@ -606,8 +619,13 @@ class LocalConnection(KernelConnection):
         if code is None:
             return None
         limit = ""
-        if self._cgroup is not None and self._plan is not None and self._cgroup.oom_kills():
-            limit = self._plan.limit_of("memory_mb")
+        cgroup, plan, budget = self._cgroup, self._plan, self._budget
+        if cgroup is not None and plan is not None and cgroup.oom_kills():
+            # Killed by the OOM killer without ever reaching its own limit: the budget's.
+            if budget is not None and not cgroup.limit_hits():
+                limit = f"memory_budget_mb={budget.budget_mb:g} (the executor's kernels together)"
+            else:
+                limit = plan.limit_of("memory_mb")
         self._died = KernelDied(describe_exit(code), self.diagnostics(), limit)
         return self._died
 
@@ -704,6 +722,12 @@ class LocalConnection(KernelConnection):
         if self._stderr is not None:
             self._stderr.close()
             self._stderr = None
+        if self._cgroup is not None:  # a launch that failed before the kernel was started
+            cgroup, self._cgroup = self._cgroup, None
+            await asyncio.to_thread(cgroup.remove)
+        if self._in_budget and self._budget is not None:
+            self._in_budget = False
+            self._budget.leave()
         uid, self._uid = self._uid, None
         entered, self._entered = self._entered, set()
         if uid is not None:
