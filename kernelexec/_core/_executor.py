@@ -22,6 +22,7 @@ from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
 from kernelexec._envs._builder import EnvBuilder, ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
+from kernelexec._sandbox._build import BuildConfinement
 from kernelexec._exceptions import ConfigError
 from kernelexec._models import Execution, Isolation, ToolResult
 from kernelexec._notebooks._io import safe_filename
@@ -80,7 +81,9 @@ class AsyncKernelExecutor:
         self.backend = _resolve_backend(backend, backend_options)
         self._workdir: PurePath | None = None
         self._check_env(self.config.env)
-        self.builder = EnvBuilder(self.config.cache_dir, self.config.installer, on_progress)
+        self.builder = EnvBuilder(
+            self.config.cache_dir, self.config.installer, on_progress, self._confinement()
+        )
         self._state = Lifecycle("the executor")
         # Sessions by (agent id, fingerprint). A session whose kernel was evicted is only
         # weakly held ("parked"): kept while its caller holds it, forgotten otherwise, so the
@@ -108,6 +111,13 @@ class AsyncKernelExecutor:
         )
         self._own_workdir = False
         self.backend.hold()
+
+    def _confinement(self) -> BuildConfinement:
+        """How tool-named requirements are built: under the kernels' own isolation."""
+        cfg = self.config
+        level = cfg.isolation or self.backend.default_isolation
+        network = cfg.network if cfg.network is not None else level != "bwrap"
+        return BuildConfinement(level=level, network=network)
 
     @property
     def env(self) -> Env:

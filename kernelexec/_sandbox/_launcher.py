@@ -85,6 +85,8 @@ def setup():
     for res, value in cfg["rlimits"]:
         resource.setrlimit(res, (value, value))
     bridge(cfg["bridges"], cfg["scratch"])
+    if cfg["netns"] and libc.unshare(0x40000000) != 0:  # CLONE_NEWNET: no network at all
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET)")
     if cfg["no_userns"]:
         drop_userns()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -149,11 +151,13 @@ def launcher_config(
     bridges: list[tuple[str, list[str]]] | None = None,
     scratch: dict[str, Any] | None = None,
     no_userns: bool = False,
+    netns: bool = False,
 ) -> dict[str, Any]:
     """The launcher's configuration: the cgroup ``procs`` files to join, the rlimits, the
     kernel's uid, the process that must be its parent, the paths to bridge and the private
     scratch space (see :mod:`kernelexec._sandbox._mounts`), and whether user namespaces are
-    taken away (:mod:`kernelexec._sandbox._seccomp`). The plain launch passes it on the command line; a
+    taken away (:mod:`kernelexec._sandbox._seccomp`) and the network (an empty network
+    namespace: ``netns``, used for builds; kernels under bwrap get bwrap's). The plain launch passes it on the command line; a
     fork server hands it to the launcher it runs in the forked child."""
     return {
         "procs": procs,
@@ -163,6 +167,7 @@ def launcher_config(
         "bridges": bridges or [],
         "scratch": scratch,
         "no_userns": no_userns,
+        "netns": netns,
     }
 
 
