@@ -133,6 +133,10 @@ class EnvBuilder:
         """Where ``env`` lives once built."""
         return Path(env.path).resolve() if env.path is not None else self.envs_dir / fingerprint
 
+    def is_built(self, env: VenvEnv) -> bool:
+        """Whether ``env`` is in the cache already (nothing to build)."""
+        return (self.target(env, env.fingerprint) / ENV_INFO).exists()
+
     async def ensure(self, env: VenvEnv) -> BuiltEnv:
         """The built venv for ``env``: reused when present, else built now.
 
@@ -328,15 +332,15 @@ class EnvBuilder:
 
 
 def _local_paths(requirements: tuple[str, ...]) -> list[str]:
-    """The directories holding the local files and directories among ``requirements``
-    (``/w/pkg``, ``name @ file:///w/pkg.whl``), which a confined build must reach."""
+    """The local files and directories among ``requirements`` (``/w/pkg``,
+    ``name @ file:///w/pkg.whl``), which a confined build must reach."""
     found = []
     for line in requirements:
         text = line.split("@", 1)[1].strip() if "@" in line else line
         text = text.removeprefix("file://")
         if os.path.isabs(text) and os.path.exists(text):
             real = os.path.realpath(text)
-            found.append(real if os.path.isdir(real) else os.path.dirname(real))
+            found.append(real)
     return found
 
 

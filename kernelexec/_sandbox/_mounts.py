@@ -61,13 +61,19 @@ def bridge(bridges, scratch=None):
     mask = os.umask(0o022)
     # Descriptors first: once a tmpfs is over a directory, its paths are only reachable
     # through them.
-    opened = [[(os.open(p, os.O_PATH | os.O_DIRECTORY), p) for p in paths]
-              for _, paths in bridges]
-    kept = [(os.open(p, os.O_PATH | os.O_DIRECTORY), p) for p in scratch["keep"]] if scratch else []
+    def grab(path):
+        return os.open(path, os.O_PATH), path, os.path.isdir(path)
+
+    opened = [[grab(p) for p in paths] for _, paths in bridges]
+    kept = [grab(p) for p in scratch["keep"]] if scratch else []
 
     def bind_back(fds):
-        for fd, path in fds:
-            os.makedirs(path, 0o755, exist_ok=True)
+        for fd, path, is_dir in fds:
+            if is_dir:
+                os.makedirs(path, 0o755, exist_ok=True)
+            else:  # a single file (a build's local wheel): bound onto an empty one
+                os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
             mount(("/proc/self/fd/" + str(fd)).encode(), path, None, bind | rec, None,
                   "binding")
             os.close(fd)
