@@ -22,12 +22,12 @@ from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
 from kernelexec._envs._builder import EnvBuilder, ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
-from kernelexec._sandbox._build import BuildConfinement
 from kernelexec._exceptions import ConfigError
 from kernelexec._models import Execution, Isolation, ToolResult
 from kernelexec._notebooks._io import safe_filename
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._protocol._host import bootstrap_request
+from kernelexec._sandbox._build import BuildConfinement
 from kernelexec._tempdirs import make_owned_dir, sweep_once
 from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend, KernelLaunch

@@ -238,12 +238,8 @@ class EnvBuilder:
             what = "installing the requirements"
             await self._run(install(reqs), fingerprint, start, what)
             if confined:
-                needed = [*interpreter_paths(python), *_local_paths(env.requirements)]
-                if uv is not None:
-                    needed.append(os.path.dirname(os.path.realpath(uv)))
-                await self._run_confined(
-                    install(tool_reqs), work, needed, fingerprint, start, what
-                )
+                needed = await asyncio.to_thread(_build_needs, python, env.requirements, uv)
+                await self._run_confined(install(tool_reqs), work, needed, fingerprint, start, what)
             info = {
                 "fingerprint": fingerprint,
                 "requirements": list(env.requirements),
@@ -329,6 +325,14 @@ class EnvBuilder:
         if code != 0:
             output = "\n".join(tail) or "(no output)"
             raise EnvSetupError(f"{what} failed (exit status {code}):\n{output}")
+
+
+def _build_needs(python: str, requirements: tuple[str, ...], uv: str | None) -> list[str]:
+    """What a confined install must reach: the interpreter, the local requirements, uv."""
+    needed = [*interpreter_paths(python), *_local_paths(requirements)]
+    if uv is not None:
+        needed.append(os.path.dirname(os.path.realpath(uv)))
+    return needed
 
 
 def _local_paths(requirements: tuple[str, ...]) -> list[str]:

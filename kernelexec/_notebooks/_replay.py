@@ -182,13 +182,13 @@ async def areplay(
         config["env"] = VenvEnv(requirements=tuple(requirements))
     async with AsyncKernelExecutor(default_timeout=default_timeout, **config) as ex:
         env = ex.env
-        if isinstance(env, VenvEnv) and env.requirements and not build_requirements:
-            if not ex.builder.is_built(env):
-                raise ConfigError(
-                    f"the recording's venv ({', '.join(env.requirements)}) is not built; "
-                    "building runs the requirements' own code: pass build_requirements=True "
-                    "(CLI: --build-requirements) to build it under the replay's isolation"
-                )
+        building = isinstance(env, VenvEnv) and env.requirements and not build_requirements
+        if building and isinstance(env, VenvEnv) and not ex.builder.is_built(env):
+            raise ConfigError(
+                f"the recording's venv ({', '.join(env.requirements)}) is not built; "
+                "building runs the requirements' own code: pass build_requirements=True "
+                "(CLI: --build-requirements) to build it under the replay's isolation"
+            )
         session = await ex.session("replay")
         ran = False
         for index, cell in enumerate(nb.cells):

@@ -84,9 +84,7 @@ class BuildConfinement:
             try:
                 bridges = _mounts.plan([*needed, *writable], writable)
             except _mounts.CannotBridge as exc:
-                raise EnvSetupError(
-                    f"the build's user cannot reach what it needs: {exc}"
-                ) from None
+                raise EnvSetupError(f"the build's user cannot reach what it needs: {exc}") from None
         for path in writable:
             _users.allow_search(os.path.dirname(path))
         cfg = launcher_config(
@@ -120,4 +118,3 @@ def take_back(path: Path) -> None:
                 os.chmod(entry, mode)
             except FileNotFoundError:
                 continue
-

@@ -157,8 +157,9 @@ def launcher_config(
     kernel's uid, the process that must be its parent, the paths to bridge and the private
     scratch space (see :mod:`kernelexec._sandbox._mounts`), and whether user namespaces are
     taken away (:mod:`kernelexec._sandbox._seccomp`) and the network (an empty network
-    namespace: ``netns``, used for builds; kernels under bwrap get bwrap's). The plain launch passes it on the command line; a
-    fork server hands it to the launcher it runs in the forked child."""
+    namespace: ``netns``, used for builds; kernels under bwrap get bwrap's). The plain launch
+    passes it on the command line; a fork server hands it to the launcher it runs in the
+    forked child."""
     return {
         "procs": procs,
         "rlimits": rlimits,

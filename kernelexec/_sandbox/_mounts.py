@@ -32,7 +32,7 @@ from kernelexec._sandbox import _users
 
 # jupyter-client substitutes "{name}" in every argument of a kernel's command line: this text
 # (part of the launcher's) must contain none.
-SOURCE = r'''
+SOURCE = r"""
 def bridge(bridges, scratch=None):
     # Private mount namespace; each [blocked dir, [needed paths]] bridged. With scratch (size
     # in bytes, keep: paths under /tmp, ipc: bool) a private /tmp, /var/tmp and /dev/shm on one
@@ -96,7 +96,7 @@ def bridge(bridges, scratch=None):
         mount(None, top, None, remount | flags | 1, None, "making read-only")
     os.umask(mask)
     os.chdir(cwd)
-'''
+"""
 
 
 class CannotBridge(Exception):

@@ -119,9 +119,7 @@ class SandboxPlan:
         :mod:`kernelexec._sandbox._mounts`)."""
         if not self.scratch_mb or self.level != "process":
             return None
-        needed = sorted(
-            {os.path.realpath(p) for p in [*self.reach, *(d for d in handed if d)]}
-        )
+        needed = sorted({os.path.realpath(p) for p in [*self.reach, *(d for d in handed if d)]})
         keep = [p for p in needed if _under_tmp(p) and p != "/tmp"]
         keep = [p for p in keep if not any(q != p and p.startswith(q + "/") for q in keep)]
         return {"size": self.scratch_mb * 1024 * 1024, "keep": keep, "ipc": True}
@@ -276,8 +274,10 @@ def make_plan(
                     )
                 continue
             scratch_mb = int(value)
-            places = "/tmp, /var/tmp and /dev/shm: one tmpfs" if level == "process" else (
-                "/tmp and /dev/shm: a tmpfs each"
+            places = (
+                "/tmp, /var/tmp and /dev/shm: one tmpfs"
+                if level == "process"
+                else ("/tmp and /dev/shm: a tmpfs each")
             )
             text[name] = f"{shown} ({places}; not the session directory)"
         elif explicit:

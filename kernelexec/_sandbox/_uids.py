@@ -81,10 +81,8 @@ def allocate(extra_places: tuple[str, ...] = ()) -> int:
         live = data.get("live")
         live = dict(live) if isinstance(live, dict) else {}
         for key, holder in list(live.items()):
-            if isinstance(holder, list) and len(holder) == 2 and holder[0] != pid:
-                if process_alive(int(holder[0]), str(holder[1])):
-                    continue
-            if isinstance(holder, list) and holder and holder[0] == pid:
+            valid = isinstance(holder, list) and len(holder) == 2
+            if valid and (holder[0] == pid or process_alive(int(holder[0]), str(holder[1]))):
                 continue
             sweep(int(key), extra_places)
             del live[key]

@@ -246,9 +246,7 @@ class LocalBackend(KernelBackend):
             _cgroups.sweep_stale()  # groups that killed hosts left (their processes are gone)
         budget = None
         if plan.budget_mb:
-            budget = self._budgets.setdefault(
-                plan.budget_mb, _cgroups.BudgetGroup(plan.budget_mb)
-            )
+            budget = self._budgets.setdefault(plan.budget_mb, _cgroups.BudgetGroup(plan.budget_mb))
         conn = LocalConnection(
             python,
             self.extra_args,

@@ -20,7 +20,7 @@ import pytest
 import kernelexec as kx
 from tests.hostile.conftest import needs_bwrap, needs_root
 
-BACKEND = r'''
+BACKEND = r"""
 import base64, hashlib, json, os, socket, zipfile
 
 def _evidence():
@@ -41,7 +41,8 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
     seen = json.dumps(_evidence())
     files = {"NAME/__init__.py": "SEEN = " + repr(seen) + "\n",
              dist + ".dist-info/METADATA": "Metadata-Version: 2.1\nName: NAME\nVersion: 1.0\n",
-             dist + ".dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: t\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+             dist + ".dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: t\n"
+                                        "Root-Is-Purelib: true\nTag: py3-none-any\n"}
     name = dist + "-py3-none-any.whl"
     record = []
     with zipfile.ZipFile(os.path.join(wheel_directory, name), "w") as whl:
@@ -53,7 +54,7 @@ def build_wheel(wheel_directory, config_settings=None, metadata_directory=None):
         record.append(dist + ".dist-info/RECORD,,")
         whl.writestr(dist + ".dist-info/RECORD", "\n".join(record))
     return name
-'''
+"""
 
 
 def make_package(where: Path, name: str, port: int, secret: str) -> Path:

@@ -32,7 +32,6 @@ pytestmark = [pytest.mark.anyio, needs_root, pytest.mark.slow]
 def plant(files: dict, link: str = "") -> str:  # type: ignore[type-arg]
     """Write files into the working directory (the sandbox dir); or make requirements.txt a
     symbolic link to ``link``."""
-    import os
 
     os.umask(0o022)  # readable by whoever builds it
     if link:
@@ -116,4 +115,4 @@ async def test_a_symlinked_requirements_txt_does_not_show_a_root_only_file(
         await _run(report, {"name": "anything"}, sandbox_dir)
     assert secret not in str(caught.value)
     assert "symbolic link" in str(caught.value)
-    assert os.path.islink(sandbox_dir / "requirements.txt")
+    assert (sandbox_dir / "requirements.txt").is_symlink()

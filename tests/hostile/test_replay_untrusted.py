@@ -46,7 +46,7 @@ def test_replay_runs_no_program_the_notebook_names_and_builds_only_when_asked(
 ) -> None:
     marker = tmp_path / "interpreter-ran"
     fake = tmp_path / "python"
-    fake.write_text(f"#!/bin/sh\ntouch {marker}\nexec {sys.executable} \"$@\"\n")
+    fake.write_text(f'#!/bin/sh\ntouch {marker}\nexec {sys.executable} "$@"\n')
     fake.chmod(0o755)
     name = f"kxreplay{uuid.uuid4().hex[:8]}"
     pkg = make_package(tmp_path / "src", name, 9, "no-secret")
