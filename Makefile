@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check bench soak bwrap clean browser
+.PHONY: demo test check docs dist ci bench soak bwrap clean browser
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -38,10 +38,23 @@ browser:
 		|| echo "chromium is not installed: the browser tests will be skipped"
 
 check: $(STAMP)
-	$(BIN)/ruff check kernelexec tests benchmarks
-	$(BIN)/ruff format --check kernelexec tests benchmarks
+	$(BIN)/ruff check kernelexec tests benchmarks docs/_hooks
+	$(BIN)/ruff format --check kernelexec tests benchmarks docs/_hooks
 	$(BIN)/mypy
 	$(BIN)/lint-imports
+
+# The documentation site (MkDocs + Material, API pages from the docstrings), warnings as errors.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
+
+# The sdist and wheel, checked as PyPI would check them.
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --outdir dist . >/dev/null
+	$(BIN)/twine check --strict dist/*
+
+# What CI runs: the checks, the docs, the packages, then the tests.
+ci: check docs dist test
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench.py
@@ -50,4 +63,4 @@ soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site dist

@@ -6,38 +6,93 @@ The async core is :class:`AsyncKernelExecutor` / :class:`AsyncSession`; :class:`
 :class:`KernelExecError`.
 """
 
+import importlib
 from importlib import metadata as _metadata
+from typing import TYPE_CHECKING, Any
 
-from kernelexec._config import ExecutorConfig
-from kernelexec._core._executor import AsyncKernelExecutor
-from kernelexec._core._session import AsyncSession
-from kernelexec._envs._builder import BuiltEnv, EnvBuilder, EnvProgress
-from kernelexec._envs._envs import LocalEnv, VenvEnv
-from kernelexec._exceptions import (
-    BackgroundTaskError,
-    ConfigError,
-    EnvSetupError,
-    ExecutionError,
-    ExecutionTimeout,
-    ExecutorClosedError,
-    KernelExecError,
-    KernelStartError,
-    NotebookError,
-    PoolExhaustedError,
-    ToolDefinitionError,
-    ToolSchemaWarning,
-)
-from kernelexec._models import (
-    DEFAULT_ENV_ALLOWLIST,
-    ExecError,
-    Execution,
-    Isolation,
-    Limits,
-    ToolResult,
-)
-from kernelexec._notebooks._replay import CellDifference, ReplayReport, areplay
-from kernelexec._sync import KernelExecutor, Session, replay
-from kernelexec._tools._tool import Tool
+if TYPE_CHECKING:
+    from kernelexec._config import ExecutorConfig
+    from kernelexec._core._executor import AsyncKernelExecutor
+    from kernelexec._core._session import AsyncSession
+    from kernelexec._envs._builder import BuiltEnv, EnvBuilder, EnvProgress
+    from kernelexec._envs._envs import LocalEnv, VenvEnv
+    from kernelexec._exceptions import (
+        BackgroundTaskError,
+        ConfigError,
+        EnvSetupError,
+        ExecutionError,
+        ExecutionTimeout,
+        ExecutorClosedError,
+        KernelExecError,
+        KernelStartError,
+        NotebookError,
+        PoolExhaustedError,
+        ToolDefinitionError,
+        ToolSchemaWarning,
+    )
+    from kernelexec._models import (
+        DEFAULT_ENV_ALLOWLIST,
+        ExecError,
+        Execution,
+        Isolation,
+        Limits,
+        ToolResult,
+    )
+    from kernelexec._notebooks._replay import CellDifference, ReplayReport, areplay
+    from kernelexec._sync import KernelExecutor, Session, replay
+    from kernelexec._tools._tool import Tool
+
+# Public names and the module each lives in, imported on first use (PEP 562), so that
+# `kernelexec --help` or `import kernelexec` does not pay for the whole library (1.4 s).
+_EXPORTS: dict[str, str] = {
+    "areplay": "kernelexec._notebooks._replay",
+    "AsyncKernelExecutor": "kernelexec._core._executor",
+    "AsyncSession": "kernelexec._core._session",
+    "BackgroundTaskError": "kernelexec._exceptions",
+    "BuiltEnv": "kernelexec._envs._builder",
+    "CellDifference": "kernelexec._notebooks._replay",
+    "ConfigError": "kernelexec._exceptions",
+    "DEFAULT_ENV_ALLOWLIST": "kernelexec._models",
+    "EnvBuilder": "kernelexec._envs._builder",
+    "EnvProgress": "kernelexec._envs._builder",
+    "EnvSetupError": "kernelexec._exceptions",
+    "ExecError": "kernelexec._models",
+    "Execution": "kernelexec._models",
+    "ExecutionError": "kernelexec._exceptions",
+    "ExecutionTimeout": "kernelexec._exceptions",
+    "ExecutorClosedError": "kernelexec._exceptions",
+    "ExecutorConfig": "kernelexec._config",
+    "Isolation": "kernelexec._models",
+    "KernelExecError": "kernelexec._exceptions",
+    "KernelExecutor": "kernelexec._sync",
+    "KernelStartError": "kernelexec._exceptions",
+    "Limits": "kernelexec._models",
+    "LocalEnv": "kernelexec._envs._envs",
+    "NotebookError": "kernelexec._exceptions",
+    "PoolExhaustedError": "kernelexec._exceptions",
+    "replay": "kernelexec._sync",
+    "ReplayReport": "kernelexec._notebooks._replay",
+    "Session": "kernelexec._sync",
+    "Tool": "kernelexec._tools._tool",
+    "ToolDefinitionError": "kernelexec._exceptions",
+    "ToolResult": "kernelexec._models",
+    "ToolSchemaWarning": "kernelexec._exceptions",
+    "VenvEnv": "kernelexec._envs._envs",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'kernelexec' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
 
 try:
     __version__ = _metadata.version("kernelexec")

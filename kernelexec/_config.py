@@ -17,7 +17,7 @@ from pydantic import (
 )
 
 from kernelexec._envs._envs import Env, LocalEnv
-from kernelexec._exceptions import ConfigError
+from kernelexec._exceptions import ConfigError, describe_problems
 from kernelexec._models import DEFAULT_ENV_ALLOWLIST, Limits
 
 
@@ -160,7 +160,5 @@ def make_config(**kwargs: object) -> ExecutorConfig:
     try:
         return ExecutorConfig(**kwargs)  # type: ignore[arg-type]
     except ValidationError as exc:
-        problems = "; ".join(
-            f"{'.'.join(str(p) for p in e['loc']) or 'config'}: {e['msg']}" for e in exc.errors()
-        )
+        problems = describe_problems(exc.errors(), default="config")
         raise ConfigError(f"invalid executor configuration: {problems}") from None

@@ -20,7 +20,8 @@ Every exception survives pickling (they cross process boundaries in users' worke
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from kernelexec._models import Execution
@@ -93,3 +94,14 @@ class ExecutionTimeout(ExecutionError, TimeoutError):
 
 class ToolSchemaWarning(UserWarning):
     """A tool's schema is incomplete (no docstring, an unannotated parameter); it still works."""
+
+
+def describe_problems(errors: Iterable[Mapping[str, Any]], default: str = "value") -> str:
+    """pydantic's error list as one line, each problem as ``field: message``, without pydantic's
+    "Value error, " prefixes or links (callers raise :class:`ConfigError` with it)."""
+    parts = []
+    for error in errors:
+        where = ".".join(str(p) for p in error.get("loc", ())) or default
+        cause = (error.get("ctx") or {}).get("error")
+        parts.append(f"{where}: {cause if cause is not None else error.get('msg')}")
+    return "; ".join(parts)

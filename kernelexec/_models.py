@@ -12,7 +12,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from kernelexec._exceptions import ConfigError, ExecutionError, ExecutionTimeout
+from kernelexec._exceptions import (
+    ConfigError,
+    ExecutionError,
+    ExecutionTimeout,
+    describe_problems,
+)
 from kernelexec._tools._tool import Tool
 
 ErrorKind = Literal[
@@ -83,10 +88,7 @@ class Limits(BaseModel):
         try:
             super().__init__(**data)
         except ValidationError as exc:
-            problems = "; ".join(
-                f"{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()
-            )
-            raise ConfigError(f"invalid limits: {problems}") from None
+            raise ConfigError(f"invalid limits: {describe_problems(exc.errors())}") from None
 
     def given(self) -> dict[str, float]:
         """The limits set explicitly, by name."""

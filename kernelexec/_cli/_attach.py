@@ -14,8 +14,6 @@ import signal
 import sys
 from typing import Any
 
-from kernelexec._core._attach import live_sessions
-
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 _LEAVE = frozenset({"exit", "quit", "exit()", "quit()", "%exit", "%quit"})
 
@@ -38,6 +36,8 @@ def add_parsers(sub: Any) -> None:
 
 def cmd_sessions(ns: argparse.Namespace) -> int:
     """Print the live sessions, as a table or JSON."""
+    from kernelexec._core._attach import live_sessions
+
     found = [_public(e) for e in live_sessions()]
     if ns.json:
         print(json.dumps(found, indent=2))
@@ -82,6 +82,8 @@ def find_session(
     Raises:
         AttachError: none or several match, or it has no kernel right now.
     """
+    from kernelexec._core._attach import live_sessions
+
     live = live_sessions()
     matches = [
         e

@@ -9,21 +9,24 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import difflib
 import json
+import re
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from kernelexec._cli._attach import add_parsers, cmd_attach, cmd_sessions
-from kernelexec._cli._progress import ProgressDisplay
-from kernelexec._config import valid_timeout
-from kernelexec._envs._builder import EnvBuilder, list_envs, prune_envs
-from kernelexec._envs._envs import VenvEnv, default_cache_dir
 from kernelexec._exceptions import ConfigError, EnvSetupError, KernelExecError
-from kernelexec._models import Execution
-from kernelexec._sync import KernelExecutor
-from kernelexec._tools._tool import Tool
-from kernelexec.backends import LocalBackend
+
+if TYPE_CHECKING:
+    from kernelexec._envs._envs import VenvEnv
+    from kernelexec._models import Execution
+    from kernelexec._sync import KernelExecutor
+    from kernelexec._tools._tool import Tool
+
+# The library is imported inside each command, not here: `kernelexec --help` and a mistyped
+# flag answer at once instead of after the library's 1.4 s of imports.
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE = 0, 1, 2
 
@@ -32,8 +35,47 @@ class UsageError(Exception):
     """Bad command-line input; exit status 2."""
 
 
+_CSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+_UNKNOWN = re.compile(r"unrecognized arguments: (.*)")
+_BAD_CHOICE = re.compile(r"invalid choice: '([^']*)'")
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse with a "did you mean" for a mistyped flag or command."""
+
+    def error(self, message: str) -> NoReturn:
+        super().error(message + _suggestion(self, message))
+
+
+def _suggestion(parser: argparse.ArgumentParser, message: str) -> str:
+    """The closest known flag or command to what was mistyped, as a hint (or "")."""
+    unknown = _UNKNOWN.search(message)
+    if unknown:
+        words = [w.split("=")[0] for w in unknown.group(1).split() if w.startswith("-")]
+        known = _option_strings(parser)
+    else:
+        choice = _BAD_CHOICE.search(message)
+        words = [choice.group(1)] if choice else []
+        known = re.findall(r"'([^']*)'", message.split("choose from", 1)[-1])
+    hints = [m[0] for w in words if (m := difflib.get_close_matches(w, known, n=1, cutoff=0.6))]
+    return f" (did you mean {', '.join(hints)}?)" if hints else ""
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    """Every option string of ``parser`` and of its subcommands, recursively."""
+    found: list[str] = []
+    for action in parser._actions:
+        found += action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                found += _option_strings(sub)
+    return sorted(set(found))
+
+
 def _seconds(text: str) -> float:
     """``--timeout``: a finite positive number of seconds (argparse exits 2 otherwise)."""
+    from kernelexec._config import valid_timeout
+
     try:
         return valid_timeout(float(text))
     except (ValueError, ConfigError):
@@ -66,9 +108,10 @@ def _env_options(p: argparse.ArgumentParser) -> None:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="kernelexec", description="Run agent tools and code in persistent Jupyter kernels."
     )
+    parser.add_argument("--version", action="version", version=f"kernelexec {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     run = sub.add_parser("run", help="call a tool defined in a Python file")
@@ -174,7 +217,18 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("kernelexec")
+    except metadata.PackageNotFoundError:  # a source tree that was never installed
+        return "0+unknown"
+
+
 def _load_tool(path: str, name: str | None) -> Tool:
+    from kernelexec._tools._tool import Tool
+
     try:
         source = Path(path).read_text()
     except OSError as exc:
@@ -182,7 +236,9 @@ def _load_tool(path: str, name: str | None) -> Tool:
     try:
         return Tool.from_source(source, name=name)
     except KernelExecError as exc:
-        raise UsageError(f"{path}: {exc}") from None
+        # The library's advice names its keyword; on the command line it is a flag.
+        message = str(exc).replace("pass name=", "pass --name NAME")
+        raise UsageError(f"{path}: {message}") from None
 
 
 def _print_result(result: Execution, as_json: bool) -> int:
@@ -199,11 +255,18 @@ def _print_result(result: Execution, as_json: bool) -> int:
         elif result.result is not None:
             print(result.result)
         if result.error is not None:
-            print(
-                f"error ({result.error.kind}): {result.error.ename}: {result.error.evalue}",
-                file=sys.stderr,
-            )
+            _print_error(result)
     return EXIT_OK if result.ok else EXIT_FAILED
+
+
+def _print_error(result: Execution) -> None:
+    """The error's traceback as the kernel sent it (colours kept on a terminal), then a summary."""
+    error = result.error
+    assert error is not None
+    colour = sys.stderr.isatty()
+    for line in error.traceback:
+        print(line if colour else _CSI.sub("", line), file=sys.stderr)
+    print(f"error ({error.kind}): {error.ename}: {error.evalue}", file=sys.stderr)
 
 
 def _cmd_run(ns: argparse.Namespace) -> int:
@@ -214,6 +277,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
         raise UsageError(f"--args is not valid JSON: {exc}") from None
     if not isinstance(args, dict):
         raise UsageError("--args must be a JSON object")
+    from kernelexec._sync import KernelExecutor
+
     config = _record_config(ns)
     with KernelExecutor(**config) as ex, config["on_progress"].step("running (kernel start)"):
         result = ex.call_tool(tool, args, agent_id=ns.agent, timeout=ns.timeout)
@@ -222,6 +287,8 @@ def _cmd_run(ns: argparse.Namespace) -> int:
 
 
 def _cmd_exec(ns: argparse.Namespace) -> int:
+    from kernelexec._sync import KernelExecutor
+
     code = sys.stdin.read() if ns.code == "-" else ns.code
     config = _record_config(ns)
     with KernelExecutor(**config) as ex, config["on_progress"].step("running (kernel start)"):
@@ -231,6 +298,8 @@ def _cmd_exec(ns: argparse.Namespace) -> int:
 
 
 def _record_config(ns: argparse.Namespace) -> dict[str, Any]:
+    from kernelexec._cli._progress import ProgressDisplay
+
     config: dict[str, Any] = {"record_dir": ns.record} if getattr(ns, "record", None) else {}
     if getattr(ns, "cache_dir", None):
         config["cache_dir"] = ns.cache_dir
@@ -241,6 +310,8 @@ def _record_config(ns: argparse.Namespace) -> dict[str, Any]:
 
 
 def _venv(requirements: list[str], python: str | None) -> VenvEnv:
+    from kernelexec._envs._envs import VenvEnv
+
     try:
         return VenvEnv(requirements=tuple(requirements), python=python)
     except ValueError as exc:
@@ -248,6 +319,10 @@ def _venv(requirements: list[str], python: str | None) -> VenvEnv:
 
 
 def _cmd_env(ns: argparse.Namespace) -> int:
+    from kernelexec._cli._progress import ProgressDisplay
+    from kernelexec._envs._builder import EnvBuilder, list_envs, prune_envs
+    from kernelexec._envs._envs import default_cache_dir
+
     cache = Path(ns.cache_dir) if ns.cache_dir else default_cache_dir()
     if ns.env_command == "list":
         envs = list_envs(cache)
@@ -298,6 +373,7 @@ def _report_recording(ex: KernelExecutor, ns: argparse.Namespace) -> None:
 
 def _cmd_replay(ns: argparse.Namespace) -> int:
     from kernelexec._sync import replay
+    from kernelexec.backends import LocalBackend
 
     options: dict[str, Any] = {"build_requirements": ns.build_requirements}
     if ns.isolation is not None:
@@ -322,6 +398,8 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
 
 
 def _cmd_tools(ns: argparse.Namespace) -> int:
+    from kernelexec._tools._tool import Tool
+
     tools = Tool.from_notebook(ns.notebook)
     if not tools:
         print(f"kernelexec: no code cells tagged 'tool' in {ns.notebook}", file=sys.stderr)
@@ -342,6 +420,8 @@ def _cmd_repl(ns: argparse.Namespace) -> int:
 
     completeness = TransformerManager()  # type: ignore[no-untyped-call]
     prompt: PromptSession[str] = PromptSession(history=InMemoryHistory())
+    from kernelexec._sync import KernelExecutor
+
     print("kernelexec repl: a persistent kernel; Ctrl-D to quit.", file=sys.stderr)
     with KernelExecutor(**_record_config(ns)) as ex:
         session = ex.session(ns.agent)

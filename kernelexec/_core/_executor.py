@@ -26,6 +26,7 @@ from kernelexec._exceptions import ConfigError
 from kernelexec._models import Execution, Isolation, ToolResult
 from kernelexec._notebooks._io import safe_filename
 from kernelexec._notebooks._recording import SessionRecorder
+from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import bootstrap_request
 from kernelexec._sandbox._build import BuildConfinement
 from kernelexec._tempdirs import make_owned_dir, sweep_once
@@ -208,6 +209,7 @@ class AsyncKernelExecutor:
         await self._supervisor.start()
         self._budget.open()
         self._state.open()
+        telemetry().watch(self)
         if isinstance(cfg.env, LocalEnv):
             self._new_pool(self.fingerprint, self._launch(cfg.env, None), cfg.prewarm)
 
@@ -267,6 +269,15 @@ class AsyncKernelExecutor:
     def kernel_count(self) -> int:
         """Kernels alive or starting, prewarmed ones included, over every environment."""
         return self._budget.count
+
+    def kernel_states(self) -> dict[str, int]:
+        """Live kernels by state: ``busy`` (a session's, running a call), ``idle`` (a
+        session's, waiting) and ``warm`` (prewarmed, no session yet); for the metrics."""
+        states = {"busy": 0, "idle": 0, "warm": sum(p.warm for p in self._pools.values())}
+        for session in self._sessions.values():
+            if session.has_kernel:
+                states["busy" if session.busy else "idle"] += 1
+        return states
 
     def env_for(self, tool: Tool | None, env: Env | None = None) -> Env:
         """The environment a call runs in: ``env`` if given; for a tool with
@@ -338,6 +349,7 @@ class AsyncKernelExecutor:
             max_result_chars=cfg.max_result_chars,
             recorder=recorder,
             isolation=self.isolation_of(env),
+            backend=self.backend.name,
             observers=(registration,) if registration is not None else (),
             on_close=self._forget,
         )

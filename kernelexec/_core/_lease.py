@@ -9,6 +9,7 @@ a time, in the order they were made. The executor's budget sees a lease only thr
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -16,6 +17,8 @@ from typing import Any, Protocol
 
 from kernelexec._core._pool import KernelPool
 from kernelexec.backends._base import KernelConnection
+
+log = logging.getLogger("kernelexec.kernel")
 
 
 class KernelWatcher(Protocol):
@@ -99,6 +102,12 @@ class KernelLease:
                 self._pool = await self._get_pool()
             self._conn = await self._pool.acquire()
             await self._attached()
+            log.info(
+                "agent %r: kernel %d attached (pid %s)",
+                self.agent_id,
+                self.generation,
+                self._conn.kernel_pid() or "-",
+            )
             if self.on_attached is not None:
                 self.on_attached()
         return self._conn, lost
@@ -129,6 +138,13 @@ class KernelLease:
                 self._lost = (self._lost or []) + lost
                 raise
             await self._attached()
+            log.info(
+                "agent %r: kernel %d replaces the last one (pid %s); %d variable(s) lost",
+                self.agent_id,
+                self.generation,
+                self._conn.kernel_pid() or "-",
+                len(lost),
+            )
         return lost
 
     async def lose_state(self) -> None:

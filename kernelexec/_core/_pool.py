@@ -20,6 +20,7 @@ from kernelexec._core._startup import restart_kernel, shutdown_fully, start_kern
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
 from kernelexec._exceptions import ExecutorClosedError, KernelStartError, PoolExhaustedError
+from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import WARM_TRACEBACKS, ExecuteRequest
 from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLaunch
 
@@ -56,6 +57,15 @@ class KernelPool:
         self._refilling = False
         self._changed = asyncio.Condition()
         self._state = Lifecycle("the executor", opened=True)
+        self._span_attributes = {
+            "kernelexec.backend": backend.name,
+            "kernelexec.isolation": launch.isolation,
+        }
+
+    @property
+    def warm(self) -> int:
+        """Kernels started and waiting for a session."""
+        return len(self._warm)
 
     @property
     def size(self) -> int:
@@ -100,6 +110,11 @@ class KernelPool:
     async def replace(self, conn: KernelConnection) -> KernelConnection:
         """Swap a session's broken or stuck kernel for a fresh one (state is lost)."""
         self._state.check()
+        telemetry().count("kernel.restarts", self._span_attributes)
+        with telemetry().span("kernel.restart", self._span_attributes):
+            return await self._replace(conn)
+
+    async def _replace(self, conn: KernelConnection) -> KernelConnection:
         if self._warm:
             fresh = self._warm.popleft()
             self._in_use.add(fresh)
@@ -144,8 +159,16 @@ class KernelPool:
         """Start one kernel; the caller has reserved it in the budget."""
         self._starting += 1
         try:
-            conn = await start_kernel(
-                self._backend, self._launch, self._bootstrap, self._start_timeout
+            with telemetry().span("kernel.start", self._span_attributes):
+                conn = await start_kernel(
+                    self._backend, self._launch, self._bootstrap, self._start_timeout
+                )
+            telemetry().count("kernel.starts", self._span_attributes)
+            log.debug(
+                "kernel started (pid %s; %s backend, isolation %s)",
+                conn.kernel_pid() or "-",
+                self._backend.name,
+                self._launch.isolation,
             )
         except BaseException:
             self._budget.release()

@@ -9,6 +9,7 @@ is one). The kernel's lifecycle is the lease's (``_lease``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePath
@@ -22,12 +23,15 @@ from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
+from kernelexec._core._traced import traced_call
 from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
 from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import ExecuteRequest
 from kernelexec._tools._tool import Tool
+
+log = logging.getLogger("kernelexec.kernel")
 
 
 class RunObserver(Protocol):
@@ -67,8 +71,11 @@ class AsyncSession:
         observers: tuple[RunObserver, ...] = (),
         on_close: Callable[[AsyncSession], Awaitable[None]] | None = None,
         isolation: Isolation | None = None,
+        backend: str = "local",
     ) -> None:
         self.agent_id = agent_id
+        self.backend = backend
+        """The name of the backend running the session's kernels (``local``, ``gateway``)."""
         self.isolation = isolation or Isolation(level="none")
         """What is in force for this session's kernel: ``.level``, and per limit and per
         boundary the mechanism that enforces it (see :class:`kernelexec.Isolation`)."""
@@ -124,6 +131,7 @@ class AsyncSession:
         """The file the recording is saved to after every run (None: not saved)."""
         return self._recorder.path if self._recorder is not None else None
 
+    @traced_call("run_code")
     async def run_code(
         self,
         code: str,
@@ -173,6 +181,7 @@ class AsyncSession:
                 execution = execution.model_copy(update={"recording_error": problem})
         return execution
 
+    @traced_call("call_tool")
     async def call_tool(
         self,
         tool: Tool,
@@ -298,6 +307,7 @@ class AsyncSession:
         async with self._lease.hold():
             self._state.check()
             if self._lease.has_kernel:
+                log.info("agent %r: kernel restarted on request", self.agent_id)
                 await self._lease.lose_state()
 
     async def aclose(self) -> None:
@@ -477,6 +487,7 @@ class AsyncSession:
                 why = "the code asked the kernel to exit; a fresh kernel replaces it"
                 error = ExecError(kind="kernel_died", ename="KernelExited", evalue=why)
             restarted = True
+            log.warning("agent %r: %s", self.agent_id, why)
             lost_names += await self._lease.replace()
         else:
             report = protocol.read_report(reply)

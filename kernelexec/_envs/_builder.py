@@ -31,6 +31,7 @@ from kernelexec._envs._envs import (
     python_version,
 )
 from kernelexec._exceptions import ConfigError, EnvSetupError
+from kernelexec._observability._otel import telemetry
 from kernelexec._sandbox import _uids, _users
 from kernelexec._sandbox._build import BuildConfinement, take_back
 from kernelexec._sandbox._plan import interpreter_paths
@@ -170,7 +171,13 @@ class EnvBuilder:
                     self.confinement.check()
                 if (target / ENV_INFO).exists():
                     return self._reused(fingerprint, target, start)
-                await self._build(env, fingerprint, target, start)
+                with telemetry().span("env.build", {"kernelexec.env.fingerprint": fingerprint}):
+                    try:
+                        await self._build(env, fingerprint, target, start)
+                    except BaseException:
+                        telemetry().count("env.builds", {"outcome": "failed"})
+                        raise
+                telemetry().count("env.builds", {"outcome": "built"})
             finally:
                 await file_lock.release()
         built = _built_env(fingerprint, target, True, start)

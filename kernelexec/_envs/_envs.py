@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import importlib.metadata
 import os
+import re
 import subprocess
 import sys
 import urllib.parse
@@ -19,9 +20,16 @@ from typing import Annotated, Any, Literal
 import platformdirs
 from packaging.requirements import InvalidRequirement, Requirement
 from packaging.utils import canonicalize_name
-from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+)
 
-from kernelexec._exceptions import ConfigError
+from kernelexec._exceptions import ConfigError, describe_problems
 
 KERNEL_REQUIREMENT = f"ipykernel=={importlib.metadata.version('ipykernel')}"
 """What kernelexec needs inside every venv: the ipykernel release the host is tested with."""
@@ -72,6 +80,9 @@ def _file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+_LOOKS_LIKE_LOCATION = re.compile(r"[/\\]|^\.|^[a-z][a-z0-9+.-]*:", re.IGNORECASE)
+
+
 def normalise_requirement(line: str) -> str:
     """One requirement line in a canonical spelling (so equal requirements fingerprint equally).
 
@@ -92,8 +103,10 @@ def normalise_requirement(line: str) -> str:
         return str(Path(text).resolve())
     try:
         req = Requirement(text)
-    except InvalidRequirement:
-        return text  # let the installer judge (and name) it
+    except InvalidRequirement as exc:
+        if _LOOKS_LIKE_LOCATION.search(text):
+            return text  # a VCS URL or a path pip reads (git+https://..., ./pkg): pip judges it
+        raise ConfigError(f"requirement {line!r} is not a valid requirement: {exc}") from None
     extras = f"[{','.join(sorted(req.extras))}]" if req.extras else ""
     spec = f" @ {req.url}" if req.url else str(req.specifier)
     marker = f"; {req.marker}" if req.marker else ""
@@ -154,6 +167,12 @@ class VenvEnv(BaseModel):
     path: Path | None = None
 
     _fingerprint: str | None = PrivateAttr(default=None)
+
+    def __init__(self, **data: Any) -> None:
+        try:
+            super().__init__(**data)
+        except ValidationError as exc:
+            raise ConfigError(f"invalid VenvEnv: {describe_problems(exc.errors())}") from None
 
     @field_validator("requirements", mode="before")
     @classmethod

@@ -217,7 +217,12 @@ def _serve_http(server: Server[ServerState], options: McpOptions, sock: socket.s
         os.getpid(),
     )
     if source == "generated":
-        log.info("bearer token (send 'Authorization: Bearer <token>'): %s", token)
+        # Shown to the operator on the terminal, never as a log record (records get shipped).
+        print(
+            f"kernelexec: bearer token (send 'Authorization: Bearer <token>'): {token}",
+            file=sys.stderr,
+            flush=True,
+        )
     else:
         log.info("bearer token from %s", source)
     config = uvicorn.Config(

@@ -312,7 +312,7 @@ class LocalConnection(KernelConnection):
 
     async def launch(self) -> None:
         """Start the process in a fresh private directory and connect its channels."""
-        # Short paths: ipc socket names must fit in sun_path (108 bytes).
+        _check_socket_room()
         self._dir = make_owned_dir("kx-")
         plan = self._plan
         kdir = self._dir
@@ -765,3 +765,22 @@ async def _kill_process_group(km: AsyncKernelManager) -> None:
 def _wake(waiter: asyncio.Future[None]) -> None:
     if not waiter.done():
         waiter.set_result(None)
+
+
+# An ipc socket's path must fit in sun_path: 108 bytes with the terminating NUL. Ours are
+# <tempdir>/kx-XXXXXXXX/s-<port>, ports up to five digits.
+_SUN_PATH_MAX = 107
+_SOCKET_SUFFIX = "kx-XXXXXXXX/s-65535"
+
+
+def _check_socket_room() -> None:
+    """Refuse, with the fix, a temp directory too long to hold a kernel's ipc sockets (zmq
+    would fail deep in jupyter-client with "File name too long")."""
+    root = tempfile.gettempdir()
+    needed = len(os.fsencode(os.path.join(root, _SOCKET_SUFFIX)))
+    if needed > _SUN_PATH_MAX:
+        raise KernelStartError(
+            f"the temp directory {root!r} is too long for a kernel's ipc sockets: their paths "
+            f"would be {needed} bytes, and a Unix socket path may have at most {_SUN_PATH_MAX}. "
+            "Point TMPDIR at a shorter directory (for example TMPDIR=/tmp)."
+        )
