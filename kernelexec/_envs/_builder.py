@@ -167,10 +167,10 @@ class EnvBuilder:
                 self._emit(fingerprint, "waiting", "another build holds the lock", start)
                 await file_lock.acquire()
             try:
-                if env.requirements:
-                    self.confinement.check()
                 if (target / ENV_INFO).exists():
                     return self._reused(fingerprint, target, start)
+                if env.requirements:
+                    self.confinement.check()
                 with telemetry().span("env.build", {"kernelexec.env.fingerprint": fingerprint}):
                     try:
                         await self._build(env, fingerprint, target, start)

@@ -25,7 +25,6 @@ import tempfile
 from pathlib import Path
 
 import filelock
-import psutil
 
 from kernelexec._tempdirs import KERNEL_UID_BASE as UID_BASE
 from kernelexec._tempdirs import process_alive, process_start_time
@@ -67,11 +66,11 @@ def _write(path: Path, data: dict[str, object]) -> None:
     os.replace(tmp, path)
 
 
-def allocate(extra_places: tuple[str, ...] = ()) -> int:
+def allocate() -> int:
     """A uid no one holds, recorded as held by this process.
 
-    Holders found dead are swept (see :func:`sweep`, with ``extra_places``) and released on the
-    way; a uid that still runs processes is skipped.
+    Holders found dead are swept (see :func:`sweep`) and released on the way; a uid that still
+    runs processes is skipped.
     """
     pid = os.getpid()
     me = [pid, process_start_time(pid)]
@@ -84,25 +83,33 @@ def allocate(extra_places: tuple[str, ...] = ()) -> int:
             valid = isinstance(holder, list) and len(holder) == 2
             if valid and (holder[0] == pid or process_alive(int(holder[0]), str(holder[1]))):
                 continue
-            sweep(int(key), extra_places)
+            sweep(int(key))  # a dead host's kernel: everything
             del live[key]
         start = data.get("next")
         n = start if isinstance(start, int) and 0 <= start < UID_SPAN else 0
+        wrapped = data.get("wrapped") is True
         for _ in range(UID_SPAN):
             uid = UID_BASE + n
             n = (n + 1) % UID_SPAN
-            if str(uid) in live or _has_processes(uid):
+            # Running processes: a uid an older kernelexec derived from an inode, or one whose
+            # first life has not ended. Skipped either way (one stat per process).
+            if str(uid) in live or _processes_of(uid):
                 continue
-            sweep(uid, extra_places)  # only a uid's second life finds anything here
+            if wrapped:  # a uid's second life: what its first left is swept
+                sweep(uid)
+            wrapped = wrapped or n == 0
             live[str(uid)] = me
-            _write(path, {"next": n, "live": live})
+            _write(path, {"next": n, "wrapped": wrapped, "live": live})
             return uid
     raise RuntimeError("every kernel uid is in use")
 
 
-def release(uid: int, extra_places: tuple[str, ...] = ()) -> None:
-    """Sweep what ``uid`` owns and hand it back (its kernel or build has ended)."""
-    sweep(uid, extra_places)
+def release(uid: int, shared: bool = True) -> None:
+    """Sweep what ``uid`` owns and hand it back (its kernel or build has ended). ``shared``:
+    whether it could write the host's shared places (:data:`SHARED_PLACES`); a kernel with a
+    private ``/tmp``, ``/var/tmp`` and ``/dev/shm`` could not, and only its processes and SysV
+    objects are swept."""
+    sweep(uid, files=shared)
     path = _record_dir() / "uids.json"
     with _locked():
         data = _read(path)
@@ -121,29 +128,32 @@ def held() -> dict[int, int]:
     return {int(k): int(v[0]) for k, v in live.items() if isinstance(v, list) and v}
 
 
-def _has_processes(uid: int) -> bool:
-    for proc in psutil.process_iter(["uids"]):
-        uids = proc.info.get("uids")
-        if uids is not None and uid in (uids.real, uids.effective, uids.saved):
-            return True
-    return False
+def _processes_of(uid: int) -> list[int]:
+    """The processes running as ``uid`` (the owner of ``/proc/<pid>``: one stat each, a tenth
+    of what reading every process's status costs)."""
+    found = []
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if entry.name.isdigit():
+                with contextlib.suppress(OSError):
+                    if entry.stat(follow_symlinks=False).st_uid == uid:
+                        found.append(int(entry.name))
+    return found
 
 
-def sweep(uid: int, extra_places: tuple[str, ...] = ()) -> list[str]:
-    """Remove what ``uid`` owns: its processes (killed), SysV IPC objects, and every file and
-    directory it owns under the places every user can write (:data:`SHARED_PLACES`, the
-    host's temp dir) and ``extra_places``. Returns what was removed."""
+def sweep(uid: int, *, files: bool = True) -> list[str]:
+    """Remove what ``uid`` owns: its processes (killed), SysV IPC objects, and (``files``)
+    every file and directory it owns under the places every user can write
+    (:data:`SHARED_PLACES`, the host's temp dir). Returns what was removed."""
     removed: list[str] = []
-    for proc in psutil.process_iter(["uids"]):
-        uids = proc.info.get("uids")
-        if uids is not None and uid in (uids.real, uids.effective, uids.saved):
-            with contextlib.suppress(psutil.Error):
-                proc.send_signal(signal.SIGKILL)
-                removed.append(f"process {proc.pid}")
+    for pid in _processes_of(uid):
+        with contextlib.suppress(OSError):
+            os.kill(pid, signal.SIGKILL)
+            removed.append(f"process {pid}")
     removed += _sweep_ipc(uid)
-    places = {*SHARED_PLACES, tempfile.gettempdir(), *extra_places}
-    for place in sorted(places):
-        removed += _sweep_tree(place, uid)
+    if files:
+        for place in sorted({*SHARED_PLACES, tempfile.gettempdir()}):
+            removed += _sweep_tree(place, uid)
     return removed
 
 

@@ -736,7 +736,8 @@ class LocalConnection(KernelConnection):
             self._dir = ""
         if uid is not None:
             # Only now: the uid's processes are gone and its files handed back or removed.
-            await asyncio.to_thread(_uids.release, uid)
+            shared = self._plan is None or not self._plan.scratch_mb
+            await asyncio.to_thread(_uids.release, uid, shared)
 
     async def _stop_launcher(self, km: AsyncKernelManager) -> None:
         """Have the launcher kill the kernel and every descendant, and wait until it has."""
