@@ -215,18 +215,21 @@ class KernelCgroup:
                             return int(value)
         return 0
 
-    def limit_hits(self) -> int:
-        """How often the group's own memory limit was reached (v1 ``memory.failcnt``, v2
-        ``memory.events`` max): zero when a kill came from a budget above it."""
+    def reached_own_limit(self) -> bool:
+        """Whether the group's memory use ever came to its own limit (v1: the peak within
+        4 MiB of ``memory.limit_in_bytes``; v2: a ``max`` event): False when an OOM kill came
+        from a budget above it. (v1 ``memory.failcnt`` is not kept by recent kernels.)"""
         for path in self.paths:
             with contextlib.suppress(OSError, ValueError):
-                return int((path / "memory.failcnt").read_text())
+                peak = int((path / "memory.max_usage_in_bytes").read_text())
+                limit = int((path / "memory.limit_in_bytes").read_text())
+                return peak >= limit - 4 * 1024 * 1024
             with contextlib.suppress(OSError, ValueError):
                 for line in (path / "memory.events").read_text().splitlines():
                     key, _, value = line.partition(" ")
                     if key == "max":
-                        return int(value)
-        return 0
+                        return int(value) > 0
+        return True
 
     def kill(self, timeout: float = 5.0) -> bool:
         """Kill every process in the groups; return True once they are empty."""

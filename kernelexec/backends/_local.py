@@ -620,7 +620,7 @@ class LocalConnection(KernelConnection):
         cgroup, plan, budget = self._cgroup, self._plan, self._budget
         if cgroup is not None and plan is not None and cgroup.oom_kills():
             # Killed by the OOM killer without ever reaching its own limit: the budget's.
-            if budget is not None and not cgroup.limit_hits():
+            if budget is not None and not cgroup.reached_own_limit():
                 limit = f"memory_budget_mb={budget.budget_mb:g} (the executor's kernels together)"
             else:
                 limit = plan.limit_of("memory_mb")
