@@ -1,7 +1,9 @@
 """The launcher that sits between the host and a kernel: it puts the kernel in its cgroups,
-sets its rlimits, bridges the paths its user cannot reach (``_mounts``), drops it to its own
-user, and reaps every descendant when the kernel ends, the host asks it to stop, or the host
-dies.
+sets its rlimits, bridges the paths its user cannot reach and gives it a private scratch space
+(``_mounts``), takes user namespaces away (``_seccomp``), drops it to its own user, and reaps
+every descendant when the kernel ends, the host asks it to stop, or the host dies. Confined
+builds of tool-named requirements run under it too (``_build``), with an empty network
+namespace where their kernels get no network.
 
 It is standard-library Python run as text (``python -c``) by the host's interpreter, so it
 works for any kernel interpreter. It makes itself a child subreaper, so processes the kernel

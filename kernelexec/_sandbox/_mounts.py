@@ -10,7 +10,14 @@ sees ``D`` holding only those paths, which keep their own owners and modes; ever
 under ``D`` is gone from its view. Nothing changes for the host: ``/`` is made private first, so
 no mount propagates back, and the namespace ends with the last process of the kernel.
 
-:data:`SOURCE` is standard-library code the launcher runs as text (``bridge(bridges)``);
+The same namespace holds the kernel's private scratch space: one size-capped tmpfs over
+``/tmp`` (``max_disk_mb``) with ``/var/tmp`` and ``/dev/shm`` bound from directories in it, the
+paths the kernel needs under ``/tmp`` bound back, and (with it) an IPC namespace of its own, so
+nothing a tenant plants there reaches another and nothing outlives the kernel. A needed path may
+also be a single file (a build's local wheel in a private directory): it is bound onto an empty
+file.
+
+:data:`SOURCE` is standard-library code the launcher runs as text (``bridge(bridges, scratch)``);
 :func:`plan` decides on the host which directories to bridge and what to bring back into each;
 :func:`support` tries the mechanism once per host process.
 """
