@@ -6,11 +6,12 @@ The async core is :class:`AsyncKernelExecutor` / :class:`AsyncSession`; :class:`
 :class:`KernelExecError`.
 """
 
-import importlib
+import importlib as _importlib
+import typing as _typing
 from importlib import metadata as _metadata
-from typing import TYPE_CHECKING, Any
 
-if TYPE_CHECKING:
+if _typing.TYPE_CHECKING:
+    from kernelexec._branching._family import AsyncSnapshot
     from kernelexec._config import ExecutorConfig
     from kernelexec._core._executor import AsyncKernelExecutor
     from kernelexec._core._session import AsyncSession
@@ -18,18 +19,38 @@ if TYPE_CHECKING:
     from kernelexec._envs._envs import LocalEnv, VenvEnv
     from kernelexec._exceptions import (
         BackgroundTaskError,
+        BranchError,
+        BranchingNotSupportedError,
         ConfigError,
         EnvSetupError,
         ExecutionError,
         ExecutionTimeout,
         ExecutorClosedError,
+        FileTransferError,
         KernelExecError,
         KernelStartError,
         NotebookError,
+        PathRefusedError,
         PoolExhaustedError,
+        SessionFileError,
+        SetupCodeError,
         ToolDefinitionError,
         ToolSchemaWarning,
     )
+    from kernelexec._files._blocking import (
+        BlockingBackgroundCommand,
+        BlockingFileReader,
+        BlockingFileWriter,
+        SessionCommands,
+        SessionFiles,
+    )
+    from kernelexec._files._commands import (
+        AsyncSessionCommands,
+        BackgroundCommand,
+        CommandResult,
+    )
+    from kernelexec._files._session import AsyncSessionFiles, FileReader, FileWriter
+    from kernelexec._files._wire import FileInfo
     from kernelexec._models import (
         DEFAULT_ENV_ALLOWLIST,
         ExecError,
@@ -39,7 +60,7 @@ if TYPE_CHECKING:
         ToolResult,
     )
     from kernelexec._notebooks._replay import CellDifference, ReplayReport, areplay
-    from kernelexec._sync import KernelExecutor, Session, replay
+    from kernelexec._sync import KernelExecutor, Session, Snapshot, replay
     from kernelexec._tools._tool import Tool
 
 # Public names and the module each lives in, imported on first use (PEP 562), so that
@@ -48,9 +69,19 @@ _EXPORTS: dict[str, str] = {
     "areplay": "kernelexec._notebooks._replay",
     "AsyncKernelExecutor": "kernelexec._core._executor",
     "AsyncSession": "kernelexec._core._session",
+    "AsyncSessionCommands": "kernelexec._files._commands",
+    "AsyncSessionFiles": "kernelexec._files._session",
+    "AsyncSnapshot": "kernelexec._branching._family",
+    "BackgroundCommand": "kernelexec._files._commands",
     "BackgroundTaskError": "kernelexec._exceptions",
+    "BlockingBackgroundCommand": "kernelexec._files._blocking",
+    "BlockingFileReader": "kernelexec._files._blocking",
+    "BlockingFileWriter": "kernelexec._files._blocking",
+    "BranchError": "kernelexec._exceptions",
+    "BranchingNotSupportedError": "kernelexec._exceptions",
     "BuiltEnv": "kernelexec._envs._builder",
     "CellDifference": "kernelexec._notebooks._replay",
+    "CommandResult": "kernelexec._files._commands",
     "ConfigError": "kernelexec._exceptions",
     "DEFAULT_ENV_ALLOWLIST": "kernelexec._models",
     "EnvBuilder": "kernelexec._envs._builder",
@@ -62,6 +93,10 @@ _EXPORTS: dict[str, str] = {
     "ExecutionTimeout": "kernelexec._exceptions",
     "ExecutorClosedError": "kernelexec._exceptions",
     "ExecutorConfig": "kernelexec._config",
+    "FileInfo": "kernelexec._files._wire",
+    "FileReader": "kernelexec._files._session",
+    "FileTransferError": "kernelexec._exceptions",
+    "FileWriter": "kernelexec._files._session",
     "Isolation": "kernelexec._models",
     "KernelExecError": "kernelexec._exceptions",
     "KernelExecutor": "kernelexec._sync",
@@ -69,10 +104,16 @@ _EXPORTS: dict[str, str] = {
     "Limits": "kernelexec._models",
     "LocalEnv": "kernelexec._envs._envs",
     "NotebookError": "kernelexec._exceptions",
+    "PathRefusedError": "kernelexec._exceptions",
     "PoolExhaustedError": "kernelexec._exceptions",
     "replay": "kernelexec._sync",
     "ReplayReport": "kernelexec._notebooks._replay",
     "Session": "kernelexec._sync",
+    "SessionCommands": "kernelexec._files._blocking",
+    "SessionFileError": "kernelexec._exceptions",
+    "SessionFiles": "kernelexec._files._blocking",
+    "SetupCodeError": "kernelexec._exceptions",
+    "Snapshot": "kernelexec._sync",
     "Tool": "kernelexec._tools._tool",
     "ToolDefinitionError": "kernelexec._exceptions",
     "ToolResult": "kernelexec._models",
@@ -81,11 +122,11 @@ _EXPORTS: dict[str, str] = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'kernelexec' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
+    value = getattr(_importlib.import_module(module), name)
     globals()[name] = value
     return value
 
@@ -117,9 +158,19 @@ def unload_ipython_extension(ipython: object) -> None:
 __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "AsyncKernelExecutor",
     "AsyncSession",
+    "AsyncSessionCommands",
+    "AsyncSessionFiles",
+    "AsyncSnapshot",
+    "BackgroundCommand",
     "BackgroundTaskError",
+    "BlockingBackgroundCommand",
+    "BlockingFileReader",
+    "BlockingFileWriter",
+    "BranchError",
+    "BranchingNotSupportedError",
     "BuiltEnv",
     "CellDifference",
+    "CommandResult",
     "ConfigError",
     "DEFAULT_ENV_ALLOWLIST",
     "EnvBuilder",
@@ -131,6 +182,10 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "ExecutionTimeout",
     "ExecutorClosedError",
     "ExecutorConfig",
+    "FileInfo",
+    "FileReader",
+    "FileTransferError",
+    "FileWriter",
     "Isolation",
     "KernelExecError",
     "KernelExecutor",
@@ -138,9 +193,15 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "Limits",
     "LocalEnv",
     "NotebookError",
+    "PathRefusedError",
     "PoolExhaustedError",
     "ReplayReport",
     "Session",
+    "SessionCommands",
+    "SessionFileError",
+    "SessionFiles",
+    "SetupCodeError",
+    "Snapshot",
     "Tool",
     "ToolDefinitionError",
     "ToolResult",

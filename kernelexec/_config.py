@@ -85,6 +85,10 @@ class ExecutorConfig(BaseModel):
             the kernel without IPython's execute machinery (about twice as fast); False, or
             ``KERNELEXEC_FAST_CALLS=0`` in the environment, sends them as execute requests.
             Kernels that cannot serve them (another ipykernel) get execute requests anyway.
+        setup_code: Code run in every session's fresh kernel (at its start and after every
+            restart, crash or eviction) before the session's next call, so helpers and tools
+            it defines are always there; a failure is the call's result
+            (``error.kind == "setup_failed"``) and the setup is tried again before the next.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -112,6 +116,7 @@ class ExecutorConfig(BaseModel):
     network: bool | None = None
     attachable: bool = False
     fast_calls: bool = True
+    setup_code: str | None = None
 
     @field_validator(
         "default_timeout",

@@ -12,6 +12,17 @@ mean misuse of the API or a broken environment::
     ├── KernelStartError (RuntimeError)       a kernel did not start or become ready
     ├── EnvSetupError (RuntimeError)          a virtual environment could not be built
     ├── BackgroundTaskError (RuntimeError)    background work failed (raised at close)
+    ├── BranchError (RuntimeError)            a fork, snapshot or restore failed
+    ├── BranchingNotSupportedError (NotImplementedError)  this backend or level cannot fork
+    ├── SetupCodeError (RuntimeError)         a session's setup_code failed (raised by hand)
+    ├── PathRefusedError (ValueError)         a session file path leaves its working directory
+    ├── FileTransferError (RuntimeError)      a file operation could not be carried out
+    ├── SessionFileError (OSError)            the kernel's file system refused an operation
+    │   ├── SessionFileNotFoundError (FileNotFoundError)
+    │   ├── SessionIsADirectoryError (IsADirectoryError)
+    │   ├── SessionNotADirectoryError (NotADirectoryError)
+    │   ├── SessionPermissionError (PermissionError)
+    │   └── SessionFileExistsError (FileExistsError)
     └── ExecutionError                        raised on demand by Execution.raise_for_error()
         └── ExecutionTimeout (TimeoutError)   ... when the run timed out
 
@@ -69,6 +80,74 @@ class BackgroundTaskError(KernelExecError, RuntimeError):
     Each failure is logged when it happens and the work goes on; ``aclose()`` then raises this,
     after everything is shut down, so the failure is not lost.
     """
+
+
+class BranchError(KernelExecError, RuntimeError):
+    """A fork, snapshot or restore of a live session failed (the session is unchanged)."""
+
+
+class BranchingNotSupportedError(KernelExecError, NotImplementedError):
+    """Sessions of this backend or isolation level cannot be forked or snapshotted; the
+    message names the level."""
+
+
+class SetupCodeError(KernelExecError, RuntimeError):
+    """A session's ``setup_code`` failed in a fresh kernel.
+
+    Calls do not raise it: their result has ``error.kind == "setup_failed"``; it is the class a
+    caller can raise from such a result.
+    """
+
+
+class PathRefusedError(KernelExecError, ValueError):
+    """A path given to ``session.files`` was refused: empty, absolute, ``..`` leaving the
+    working directory, or a link that resolves outside it (or not a regular file).
+
+    Attributes:
+        path: The path as the caller gave it.
+        reason: Why it was refused, in words.
+    """
+
+    def __init__(self, path: str, reason: str = "it leaves the working directory") -> None:
+        super().__init__(f"path {path!r} refused: {reason}")
+        self.path = path
+        self.reason = reason
+
+    def __reduce__(self) -> tuple[type[PathRefusedError], tuple[str, str]]:
+        return (type(self), (self.path, self.reason))
+
+
+class FileTransferError(KernelExecError, RuntimeError):
+    """A file operation could not be carried out: the kernel died or timed out during it, or
+    it cannot serve file operations. The message says which."""
+
+
+class SessionFileError(KernelExecError, OSError):
+    """The kernel's file system refused an operation (``errno``, ``strerror`` and
+    ``filename`` are set as on any ``OSError``; ``filename`` is the session-relative path).
+
+    Subclasses also derive from the builtin a caller catches (``FileNotFoundError``, ...).
+    """
+
+
+class SessionFileNotFoundError(SessionFileError, FileNotFoundError):
+    """No such file or directory in the session."""
+
+
+class SessionIsADirectoryError(SessionFileError, IsADirectoryError):
+    """A file operation named a directory."""
+
+
+class SessionNotADirectoryError(SessionFileError, NotADirectoryError):
+    """A directory operation named a file (or a path went through a file)."""
+
+
+class SessionPermissionError(SessionFileError, PermissionError):
+    """The kernel's user may not do this."""
+
+
+class SessionFileExistsError(SessionFileError, FileExistsError):
+    """Something exists where a new entry was to be made."""
 
 
 class ExecutionError(KernelExecError):

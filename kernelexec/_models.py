@@ -30,6 +30,7 @@ ErrorKind = Literal[
     "env_setup_failed",
     "cancelled",
     "limit_exceeded",
+    "setup_failed",
 ]
 
 DEFAULT_ENV_ALLOWLIST: tuple[str, ...] = (
@@ -130,7 +131,9 @@ class ExecError(BaseModel):
             (its virtual environment could not be built; ``evalue`` ends with the installer's
             output), ``cancelled`` (the caller cancelled the call: seen only in recordings,
             since the caller got ``CancelledError``), ``limit_exceeded`` (the kernel was
-            killed for a resource limit; ``evalue`` names the limit and its value). Only
+            killed for a resource limit; ``evalue`` names the limit and its value),
+            ``setup_failed`` (the session's ``setup_code`` failed in a fresh kernel; the call
+            did not run, ``ename``/``traceback`` are the setup's error). Only
             kernelexec's own checks set the kinds other than ``exception``;
             an exception's class name never does.
         ename: Exception class name (e.g. ``"ValueError"``).
@@ -160,8 +163,9 @@ class Execution(BaseModel):
         duration_s: Wall-clock seconds from sending the request to having the whole result.
         kernel_restarted: True when this run cost the session its kernel state.
         lost_variables: When state was lost, the user variable names that existed before.
-        lost_outputs: Output messages the kernel sent that never arrived (the transport
-            dropped them while the host fell behind); ``stdout`` then ends with a
+        lost_outputs: Output messages the kernel sent that never arrived (refused by the
+            host, or lost by a broken transport; a slow host slows the kernel instead of
+            losing output); ``stdout`` then ends with a
             ``[kernelexec: N output messages ... lost ...]`` marker. 0 when all arrived.
         recording_error: Why this run could not be saved to the session's recording file
             (``None`` when it was saved, or nothing is recorded to a file). The notebook stays

@@ -18,12 +18,14 @@ from typing import Any, TypeVar
 
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from kernelexec._branching._family import AsyncSnapshot
 from kernelexec._core._executor import DEFAULT_AGENT, AsyncKernelExecutor
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._session import AsyncSession
 from kernelexec._core._state import Lifecycle
 from kernelexec._envs._builder import ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
+from kernelexec._files._blocking import SessionCommands, SessionFiles
 from kernelexec._models import Execution, Isolation, ToolResult
 from kernelexec._notebooks._replay import ReplayReport, areplay
 from kernelexec._tools._tool import Tool
@@ -79,12 +81,44 @@ def _shutdown(portal: _Portal, executor: AsyncKernelExecutor) -> None:
         portal.stop()
 
 
+class Snapshot:
+    """Blocking twin of :class:`~kernelexec.AsyncSnapshot`, from ``Session.snapshot``."""
+
+    def __init__(self, inner: AsyncSnapshot, portal: _Portal) -> None:
+        self.inner = inner
+        self._portal = portal
+
+    @property
+    def agent_id(self) -> str:
+        """The session it was taken of."""
+        return self.inner.agent_id
+
+    @property
+    def closed(self) -> bool:
+        """Whether it was closed."""
+        return self.inner.closed
+
+    def close(self) -> None:
+        """Free the snapshot; see :meth:`AsyncSnapshot.aclose`."""
+        self._portal.call(self.inner.aclose)
+
+    def __enter__(self) -> Snapshot:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
 class Session:
     """Blocking twin of :class:`~kernelexec.AsyncSession`, from ``KernelExecutor.session``."""
 
     def __init__(self, inner: AsyncSession, portal: _Portal) -> None:
         self._inner = inner
         self._portal = portal
+        self.files = SessionFiles(inner.files, portal.call)
+        """Files in the session's working directory (see :class:`kernelexec.SessionFiles`)."""
+        self.commands = SessionCommands(inner.commands, portal.call)
+        """Background commands in the session's kernel (see :class:`kernelexec.SessionCommands`)."""
 
     @property
     def agent_id(self) -> str:
@@ -171,6 +205,19 @@ class Session:
         """Replace the kernel with a fresh one; see :meth:`AsyncSession.restart`."""
         self._portal.call(self._inner.restart)
 
+    def fork(self, n: int = 1) -> list[Session]:
+        """Branch the live session into ``n`` children; see :meth:`AsyncSession.fork`."""
+        return [Session(c, self._portal) for c in self._portal.call(self._inner.fork, n)]
+
+    def snapshot(self) -> Snapshot:
+        """A frozen copy of the session; see :meth:`AsyncSession.snapshot`."""
+        return Snapshot(self._portal.call(self._inner.snapshot), self._portal)
+
+    def restore(self, snap: Snapshot) -> None:
+        """Put the session back to ``snap``; see :meth:`AsyncSession.restore`."""
+        inner = snap.inner if isinstance(snap, Snapshot) else snap
+        self._portal.call(self._inner.restore, inner)
+
     def close(self) -> None:
         """Shut the session's kernel down."""
         self._portal.call(self._inner.aclose)
@@ -243,10 +290,17 @@ class KernelExecutor:
         self._portal.call(self._async.warm_up, env)
 
     def session(
-        self, agent_id: str = DEFAULT_AGENT, env: LocalEnv | VenvEnv | None = None
+        self,
+        agent_id: str = DEFAULT_AGENT,
+        env: LocalEnv | VenvEnv | None = None,
+        *,
+        setup_code: str | None = None,
     ) -> Session:
-        """The session of ``agent_id`` in ``env`` (the same object for the same pair)."""
-        return self._wrap(self._portal.call(self._async.session, agent_id, env))
+        """The session of ``agent_id`` in ``env`` (the same object for the same pair); see
+        :meth:`AsyncKernelExecutor.session`."""
+        return self._wrap(
+            self._portal.call(self._async.session, agent_id, env, setup_code=setup_code)
+        )
 
     def _wrap(self, inner: AsyncSession) -> Session:
         key = (inner.agent_id, inner.fingerprint)

@@ -5,11 +5,13 @@ from __future__ import annotations
 import datetime
 import hashlib
 import os
+import sys
 import textwrap
 
 import pytest
 
 import kernelexec as kx
+from kernelexec._sandbox import _users
 
 
 def tool(src: str, **kwargs: object) -> kx.Tool:
@@ -313,7 +315,16 @@ def test_kernel_does_not_inherit_host_environment(monkeypatch: pytest.MonkeyPatc
         s = ex.session("env")
         assert s.call_tool(peek, {"name": "KX_TEST_SECRET"}).func_return is None
         assert s.call_tool(peek, {"name": "KX_GIVEN"}).func_return == "yes"
-        assert s.call_tool(peek, {"name": "PATH"}).func_return == os.environ["PATH"]
+        # The host's PATH, behind the kernel interpreter's directory (and without the
+        # entries a kernel's own user cannot reach, on a root host).
+        path = s.call_tool(peek, {"name": "PATH"}).func_return.split(os.pathsep)
+        assert path[0] == os.path.dirname(os.path.abspath(sys.executable))
+        reachable = [
+            p
+            for p in os.environ["PATH"].split(os.pathsep)
+            if p and p != path[0] and (not _users.is_root() or _users.blocked(p) is None)
+        ]
+        assert path[1:] == list(dict.fromkeys(reachable))
         during = s.call_tool(peek, {"name": "KX_CALL"}, env_vars={"KX_CALL": "only now"})
         assert during.func_return == "only now"
         assert s.call_tool(peek, {"name": "KX_CALL"}).func_return is None

@@ -85,3 +85,33 @@ def test_closing_the_blocking_executor_ends_a_call_in_another_thread() -> None:
     ex.close()
     worker.join(30)
     assert len(outcome) == 1 and isinstance(outcome[0], kx.ExecutorClosedError)
+
+
+TICKS = "import time\nwhile True:\n    print('tick', flush=True)\n    time.sleep(0.01)\n"
+
+
+def test_a_raising_output_callback_stops_the_run_and_frees_the_kernel() -> None:
+    """Issue 22, item 10: the callback's exception reaches the caller, the endless code is
+    interrupted (its state kept), and the next call runs at once instead of queueing behind it
+    in the kernel until its own timeout."""
+
+    def explode(text: str) -> None:
+        raise ValueError(f"callback broke on {text!r}")
+
+    with kx.KernelExecutor(default_timeout=60) as ex:
+        s = ex.session("raising-callback")
+        s.run_code("kept = 1")
+        with pytest.raises(ValueError, match="callback broke") as raised:
+            s.run_code(TICKS, on_stdout=explode)
+        assert "raised by the on_stdout callback" in "".join(
+            getattr(raised.value, "__notes__", [""])
+        )
+        after = s.run_code("kept + 1", timeout=20)
+        assert after.ok, after.error
+        assert after.result == "2" and not after.kernel_restarted
+        tool = kx.Tool.from_source(
+            "def ticks() -> None:\n" + "".join("    " + line + "\n" for line in TICKS.splitlines())
+        )
+        with pytest.raises(ValueError, match="callback broke"):
+            s.call_tool(tool, {}, on_stdout=explode)
+        assert s.run_code("kept + 2", timeout=20).result == "3"

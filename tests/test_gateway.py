@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
+import os
 import subprocess
 import sys
 import threading
@@ -426,3 +427,37 @@ async def test_a_start_cancelled_mid_request_leaves_no_kernel_on_the_gateway(
     # The kernel the gateway started for the cancelled request is deleted, so it exits.
     _, alive = await asyncio.to_thread(psutil.wait_procs, started, 60)
     assert alive == [] and gateway.kernels() == []
+
+
+def test_session_files_through_the_gateway(gateway: Gateway) -> None:
+    """File data crosses the gateway's websocket as binary frames, with the kernel's rights,
+    before any run (the kernel has not entered its working directory yet) and past
+    ``max_result_chars``."""
+    big = os.urandom(50 << 20)
+    blob = bytes(range(256)) * 100
+    with kx.KernelExecutor(backend=backend(gateway), max_result_chars=1_000) as ex:
+        s = ex.session("files")
+        assert s.files.write("in/data.csv", "a,b\n1,2\n").size == 8
+        s.files.write("blob.bin", blob)
+        assert s.files.read("blob.bin") == blob
+        assert [f.path for f in s.files.list(recursive=True)] == ["blob.bin", "in", "in/data.csv"]
+        here = gateway.work / "kernelexec" / "files"
+        assert (here / "in" / "data.csv").read_text() == "a,b\n1,2\n"
+        made = s.run_code("open('out.txt', 'w').write(open('in/data.csv').read().upper())")
+        assert made.ok, made.error
+        assert s.files.read("out.txt") == b"A,B\n1,2\n"
+        assert s.files.write("big.bin", big).size == len(big)
+        assert s.files.read("big.bin") == big
+        s.files.remove("in", recursive=True)
+        with pytest.raises(FileNotFoundError):
+            s.files.read("in/data.csv")
+        with pytest.raises(kx.PathRefusedError):
+            s.files.read("../../escape")
+
+
+def test_session_files_through_the_gateway_with_legacy_framing(gateway: Gateway) -> None:
+    blob = os.urandom(5 << 20)
+    with kx.KernelExecutor(backend=backend(gateway, offer_v1=False)) as ex:
+        s = ex.session("files-legacy")
+        s.files.write("blob.bin", blob)
+        assert s.files.read("blob.bin") == blob

@@ -337,7 +337,16 @@ async def test_tools_state_tool_errors_and_images(
 ) -> None:
     async with client_for(transport, request, tmp_path) as client:
         listed = {tool.name: tool for tool in (await client.list_tools()).tools}
-        assert set(listed) == {"run_python", "list_sessions", "reset_session", "add", "shout"}
+        assert set(listed) == {
+            "run_python",
+            "list_sessions",
+            "reset_session",
+            "fork",
+            "snapshot",
+            "restore",
+            "add",
+            "shout",
+        }
         run_schema = listed["run_python"].input_schema
         assert run_schema["required"] == ["code"]
         assert set(run_schema["properties"]) == {"code", "session", "timeout"}
@@ -512,6 +521,44 @@ async def test_stdio_server_shuts_its_kernels_down_when_the_client_leaves(
     assert not wait_exited({pid} | kernels)
     text = log.read_text()
     assert "executor closed" in text and "shutting down" not in text, text
+
+
+@pytest.mark.slow
+async def test_fork_snapshot_and_restore_tools(server_tmp: Path, tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    async with stdio_session(server_tmp, errlog=log) as (client, pid):
+        await client.call_tool("run_python", {"code": "x = 1"})
+        forked = await client.call_tool("fork", {"n": 2})
+        assert not forked.is_error, text_of(forked)
+        assert forked.structured_content["children"] == ["default~1", "default~2"]
+        await client.call_tool("run_python", {"code": "x = 20", "session": "default~2"})
+        one = await client.call_tool("run_python", {"code": "x", "session": "default~1"})
+        two = await client.call_tool("run_python", {"code": "x", "session": "default~2"})
+        assert (one.structured_content["result"], two.structured_content["result"]) == ("1", "20")
+        await client.call_tool("run_python", {"code": "y = 5", "session": "shared"})
+        shared = await client.call_tool("fork", {"session": "shared"})
+        assert shared.structured_content["children"] == ["shared~1"]
+        copy = await client.call_tool("run_python", {"code": "y", "session": "shared~1"})
+        assert copy.structured_content["result"] == "5"
+
+        snap = await client.call_tool("snapshot", {})
+        assert snap.structured_content["snapshot"] == "s1"
+        await client.call_tool("run_python", {"code": "x = 'changed'"})
+        for _ in range(2):
+            back = await client.call_tool("restore", {"snapshot": "s1"})
+            assert not back.is_error, text_of(back)
+            again = await client.call_tool("run_python", {"code": "x"})
+            assert again.structured_content["result"] == "1"
+        missing = await client.call_tool("restore", {"snapshot": "s9"})
+        assert missing.is_error and "no snapshot 's9'" in text_of(missing)
+        rows = (await client.call_tool("list_sessions", {})).structured_content["sessions"]
+        assert {"default", "default~1", "default~2", "shared", "shared~1"} <= {
+            r["session"] for r in rows
+        }
+        kernels = kernels_of(pid)
+        assert kernels
+        family = {p.pid for k in kernels for p in psutil.Process(k).children(recursive=True)}
+    assert not wait_exited({pid} | kernels | family), log.read_text()
 
 
 @pytest.mark.slow

@@ -279,3 +279,24 @@ async def test_mcp_calls_are_children_of_the_clients_trace(otel: Otel, tmp_path:
     runs = [s for s in recorded if s["name"] == "kernelexec.run_code"]
     assert runs, [s["name"] for s in recorded]
     assert {s["trace_id"] for s in runs} == {trace_id}
+
+
+def test_fork_snapshot_and_restore_are_spans(otel: Otel) -> None:
+    with kx.KernelExecutor(isolation="none") as ex:
+        session = ex.session("brancher")
+        session.run_code("x = 1")
+        with otel.tracer.start_as_current_span("branching"):
+            (child,) = session.fork()
+            snap = session.snapshot()
+            session.restore(snap)
+        assert child.run_code("x").result == "1"
+        snap.close()
+    (outer,) = otel.finished("branching")
+    for name in (
+        "kernelexec.session.fork",
+        "kernelexec.session.snapshot",
+        "kernelexec.session.restore",
+    ):
+        (span,) = otel.finished(name)
+        assert span.parent is not None and span.parent.span_id == outer.context.span_id
+        assert span.attributes is not None and span.attributes["kernelexec.agent_id"] == "brancher"

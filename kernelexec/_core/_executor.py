@@ -11,9 +11,11 @@ from collections import OrderedDict
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
+from kernelexec._branching._family import Brancher
 from kernelexec._config import ExecutorConfig, make_config
 from kernelexec._core._attach import SessionRegistration
 from kernelexec._core._budget import KernelBudget
+from kernelexec._core._forking import SessionBranches
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._pool import KernelPool
@@ -31,7 +33,7 @@ from kernelexec._protocol._host import bootstrap_request
 from kernelexec._sandbox._build import BuildConfinement
 from kernelexec._tempdirs import make_owned_dir, sweep_once
 from kernelexec._tools._tool import Tool
-from kernelexec.backends._base import KernelBackend, KernelLaunch
+from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLaunch
 from kernelexec.backends._local import LocalBackend
 from kernelexec.backends._registry import get_backend
 
@@ -111,6 +113,17 @@ class AsyncKernelExecutor:
             self.config.max_output_chars, fast_calls=self.config.fast_calls
         )
         self._own_workdir = False
+        self._brancher = Brancher(self.config.start_timeout)
+        self._branches = SessionBranches(
+            self._brancher,
+            self._budget,
+            self._bootstrap,
+            self.config.start_timeout,
+            self.backend.name,
+            self._adopt_branch,
+        )
+        self._env_of: dict[str, Env] = {}  # fingerprint -> environment (for children)
+        self._branch_counts: dict[str, int] = {}  # agent id -> children forked so far
         self.backend.hold()
 
     def _confinement(self) -> BuildConfinement:
@@ -222,6 +235,7 @@ class AsyncKernelExecutor:
             start_timeout=self.config.start_timeout,
             budget=self._budget,
             supervisor=self._supervisor,
+            keeper=self._brancher,
         )
         self._pools[fingerprint] = pool
         pool.open()
@@ -298,13 +312,29 @@ class AsyncKernelExecutor:
             return venv
         return self.env
 
-    async def session(self, agent_id: str = DEFAULT_AGENT, env: Env | None = None) -> AsyncSession:
+    async def session(
+        self,
+        agent_id: str = DEFAULT_AGENT,
+        env: Env | None = None,
+        *,
+        setup_code: str | None = None,
+    ) -> AsyncSession:
         """The session of ``agent_id`` in ``env`` (default: the executor's), created on first
         use; its kernel (and venv) are made lazily. One agent has one session per environment.
 
+        Args:
+            agent_id: The agent whose session it is.
+            env: Its environment (default: the executor's).
+            setup_code: Code run in each fresh kernel of the session (after the executor's
+                ``setup_code``) before its next call; see ``ExecutorConfig.setup_code``.
+                Given for an existing session, it must be the one it was made with.
+
         Raises:
-            ConfigError: the backend cannot run ``env``.
+            ConfigError: the backend cannot run ``env``, or ``setup_code`` differs from an
+                existing session's.
         """
+        if setup_code is not None and not isinstance(setup_code, str):
+            raise TypeError(f"setup_code must be str, not {type(setup_code).__name__}")
         if not isinstance(agent_id, str) or not agent_id:
             raise TypeError("agent_id must be a non-empty str")
         if env is not None and not isinstance(env, LocalEnv | VenvEnv):
@@ -315,9 +345,15 @@ class AsyncKernelExecutor:
         fingerprint = self.fingerprint_of(env)
         key = (agent_id, fingerprint)
         existing = self._sessions.get(key) or self._parked.get(key)
+        setup = tuple(c for c in (self.config.setup_code, setup_code) if c)
         if existing is not None:
+            if setup_code is not None and existing.setup_code != setup:
+                raise ConfigError(
+                    f"session {agent_id!r} exists with another setup_code; close it first"
+                )
             return existing
         self._check_env(env)
+        self._env_of[fingerprint] = env
         cfg = self.config
         recorder = None
         if cfg.record:
@@ -352,9 +388,40 @@ class AsyncKernelExecutor:
             backend=self.backend.name,
             observers=(registration,) if registration is not None else (),
             on_close=self._forget,
+            setup_code=setup,
+            branches=self._branches,
         )
         self._sessions[key] = session
         return session
+
+    async def _adopt_branch(self, parent: AsyncSession, conn: KernelConnection) -> AsyncSession:
+        """The child session of ``parent`` around ``conn``, a fork of its kernel: a new agent
+        id, a copy of the parent's files, a recording that says where it branched from."""
+        count = self._branch_counts.get(parent.agent_id, 0)
+        while True:
+            count += 1
+            agent_id = f"{parent.agent_id}~{count}"
+            key = (agent_id, parent.fingerprint)
+            if key not in self._sessions and key not in self._parked:
+                break
+        self._branch_counts[parent.agent_id] = count
+        pool = parent.lease.pool
+        assert pool is not None  # the parent has a kernel
+        own = parent.setup_code[1:] if self.config.setup_code else parent.setup_code
+        child = await self.session(
+            agent_id,
+            self._env_of.get(parent.fingerprint, self.env),
+            setup_code=own[0] if own else None,  # the parent's, for the child's fresh kernels
+        )
+        if isinstance(parent.workdir, Path) and isinstance(child.workdir, Path):
+            await asyncio.to_thread(
+                shutil.copytree, parent.workdir, child.workdir, symlinks=True, dirs_exist_ok=True
+            )
+        pool.adopt(conn)
+        await child.lease.adopt(conn, pool, parent.lease.names)
+        if child.recorder is not None:
+            child.recorder.note_branch(parent.agent_id, parent.notebook)
+        return child
 
     def _park(self, key: tuple[str, str]) -> None:
         """The session's kernel was evicted: hold the session weakly from now on."""
@@ -505,6 +572,7 @@ class AsyncKernelExecutor:
             await asyncio.shield(self._supervisor.aclose())
         finally:
             await asyncio.shield(asyncio.gather(*(p.aclose() for p in pools)))
+            await asyncio.shield(self._brancher.aclose())
             await asyncio.shield(self.backend.release())
             if self._own_workdir and isinstance(self._workdir, Path):
                 shutil.rmtree(self._workdir, ignore_errors=True)

@@ -84,6 +84,37 @@ class KernelLease:
         """The attached kernel, if any."""
         return self._conn
 
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The user's variable names after the last run."""
+        return self._names
+
+    @property
+    def pool(self) -> KernelPool | None:
+        """The pool of the session's environment, once a kernel was taken from it."""
+        return self._pool
+
+    async def adopt(self, conn: KernelConnection, pool: KernelPool, names: tuple[str, ...]) -> None:
+        """Take ``conn`` (a fork of another session's kernel, already in ``pool``) as this
+        lease's kernel, holding ``names``."""
+        self._pool = pool
+        self._conn = conn
+        await self._attached()
+        self._names = names
+        if self.on_attached is not None:
+            self.on_attached()
+
+    async def swap(self, conn: KernelConnection, names: tuple[str, ...]) -> None:
+        """Put ``conn`` (a restored snapshot, holding ``names``) in place of the kernel."""
+        if self._pool is None:
+            self._pool = await self._get_pool()
+        old, self._conn = self._conn, conn
+        await self._pool.exchange(old, conn)
+        await self._attached()
+        self._names = names
+        if old is None and self.on_attached is not None:
+            self.on_attached()
+
     @asynccontextmanager
     async def hold(self) -> AsyncIterator[None]:
         """Exclusive use of the lease, in the order asked for."""
@@ -111,6 +142,12 @@ class KernelLease:
             if self.on_attached is not None:
                 self.on_attached()
         return self._conn, lost
+
+    def put_back_lost(self, lost: list[str] | None) -> None:
+        """Hand back what :meth:`attach` returned, unreported (a file operation attached the
+        kernel): the session's next run reports it, a restart with no names included."""
+        if lost is not None:
+            self._lost = lost + (self._lost or [])
 
     def take_settings(self) -> dict[str, Any] | None:
         """The settings a fresh kernel still needs (sent with its first request), once."""

@@ -22,6 +22,16 @@ WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 """An ipywidget's view: it means something only to a frontend connected to that kernel's comms."""
 
 
+class CallbackFailed(Exception):
+    """A caller's output hook raised ``error``: the run loop stops the run, and the session
+    raises ``error`` to the caller once the kernel is ready for the next call."""
+
+    def __init__(self, hook: str, error: Exception) -> None:
+        super().__init__(f"the {hook} callback raised {type(error).__name__}: {error}")
+        self.hook = hook
+        self.error = error
+
+
 @dataclass
 class Callbacks:
     """Optional hooks called as output arrives (sync functions or coroutines)."""
@@ -31,11 +41,20 @@ class Callbacks:
     on_display: OutputCallback | None = None
 
     async def emit(self, hook: OutputCallback | None, value: Any) -> None:
+        """Call ``hook`` with ``value``.
+
+        Raises:
+            CallbackFailed: the hook raised (an ``Exception``).
+        """
         if hook is None:
             return
-        ret = hook(value)
-        if inspect.isawaitable(ret):
-            await ret
+        try:
+            ret = hook(value)
+            if inspect.isawaitable(ret):
+                await ret
+        except Exception as exc:
+            names = {id(self.on_stdout): "on_stdout", id(self.on_stderr): "on_stderr"}
+            raise CallbackFailed(names.get(id(hook), "on_display"), exc) from exc
 
 
 @dataclass

@@ -13,6 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections import deque
+from typing import Protocol
 
 from kernelexec._core._budget import KernelBudget
 from kernelexec._core._run import run_internal
@@ -30,6 +31,14 @@ REFILL_DELAY = 0.2
 """Seconds between handing out a warm kernel and starting its replacement."""
 
 
+class KernelKeeper(Protocol):
+    """May keep a kernel the pool lets go (one that other kernels were forked from)."""
+
+    async def released(self, conn: KernelConnection) -> bool:
+        """``conn`` is about to be shut down or replaced: True when the keeper keeps it (the
+        pool then leaves it alone), False when the pool shuts it down."""
+
+
 class KernelPool:
     """Owns the kernels of one environment; see the module docstring."""
 
@@ -43,8 +52,10 @@ class KernelPool:
         start_timeout: float,
         budget: KernelBudget,
         supervisor: TaskSupervisor,
+        keeper: KernelKeeper | None = None,
     ) -> None:
         self._backend = backend
+        self._keeper = keeper
         self._launch = launch
         self._bootstrap = bootstrap
         self._prewarm = prewarm
@@ -120,6 +131,13 @@ class KernelPool:
             self._in_use.add(fresh)
             await self.discard(conn)
             return fresh
+        if self._keeper is not None and await self._keeper.released(conn):
+            # Kept for the kernels forked from it: the session gets a new one in its place
+            # (the budget's count passes from the kept kernel to the new one).
+            self._in_use.discard(conn)
+            fresh = await self._start()
+            self._in_use.add(fresh)
+            return fresh
         try:
             await restart_kernel(conn, self._bootstrap, self._start_timeout)
         except BaseException:
@@ -127,13 +145,30 @@ class KernelPool:
             raise
         return conn
 
+    def adopt(self, conn: KernelConnection) -> None:
+        """Take a kernel started elsewhere (a branch) as one of this pool's, in use; the
+        caller has counted it in the budget."""
+        self._state.check()
+        self._in_use.add(conn)
+
+    async def exchange(self, old: KernelConnection | None, new: KernelConnection) -> None:
+        """A session puts ``new`` (a restored branch) in place of ``old``: ``new`` takes
+        ``old``'s place in the budget (the caller counted it when there was no ``old``)."""
+        self._in_use.add(new)
+        if old is None:
+            return
+        self._in_use.discard(old)
+        if self._keeper is None or not await self._keeper.released(old):
+            await shutdown_fully(old)
+
     async def discard(self, conn: KernelConnection) -> None:
         """Shut a kernel down and forget it."""
         known = conn in self._in_use or conn in self._warm
         self._in_use.discard(conn)
         with contextlib.suppress(ValueError):
             self._warm.remove(conn)
-        await shutdown_fully(conn)
+        if self._keeper is None or not await self._keeper.released(conn):
+            await shutdown_fully(conn)
         if known:
             self._budget.release()
         self._kick_refill()

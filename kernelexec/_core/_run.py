@@ -3,12 +3,20 @@
 Written once above the backend interface. A run is complete when both its ``execute_reply`` and
 the iopub ``status: idle`` for its msg_id have arrived, in either order (a big print arrives after
 the reply); a tool call the kernel side serves itself sends no busy/idle, and is complete when its
-reply and as many output messages as the reply counts have arrived. While waiting it watches the
-messages, the kernel's death (which the backend reports from ``receive``) and the deadline. Past
-the deadline the kernel is interrupted; if it does not finish within the grace period the caller
-must replace it. A run whose caller cancels it is interrupted the same way, and the loop keeps
-collecting for the grace period before it lets the cancellation go on, so the caller can tell
-whether the kernel stopped (``stuck`` if not).
+reply and as many output messages as the reply counts have arrived.
+
+The run's own code holds the session key, so it can sign a reply (and an idle) for its own
+request and go on running. Where the kernel side answers fences, a fence request follows the
+run's request, and the run ends only on the fence's answer, which ipykernel (one shell request at
+a time) sends only once the run has really finished: the reply kept is the last one before it,
+the kernel side's own, and the outputs awaited are those that reply counts.
+
+While waiting the loop watches the messages, the kernel's death (which the backend reports from
+``receive``) and the deadline. Past the deadline the kernel is interrupted; if it does not finish
+within the grace period the caller must replace it. A run whose caller cancels it is
+interrupted the same way, and the loop keeps collecting for the grace period before it lets the
+cancellation go on, so the caller can tell whether the kernel stopped (``stuck`` if not); a
+caller's output hook that raises ends the run the same way (``CallbackFailed``).
 """
 
 from __future__ import annotations
@@ -19,8 +27,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kernelexec._aio import finish_shielded
-from kernelexec._core._outputs import Callbacks, Collected, OutputCollector
-from kernelexec._protocol._host import ExecuteRequest, output_count
+from kernelexec._core._outputs import CallbackFailed, Callbacks, Collected, OutputCollector
+from kernelexec._protocol._host import FENCE_REPLY, FENCE_REQUEST, ExecuteRequest, output_count
 from kernelexec.backends._base import KernelConnection, KernelDied, KernelMessage
 
 
@@ -67,25 +75,28 @@ async def run_request(
     max_output_chars: int,
     callbacks: Callbacks | None = None,
     out: RunOutcome | None = None,
+    fence: bool = False,
 ) -> RunOutcome:
     """Send ``request`` and collect everything that belongs to it (into ``out`` if given).
 
     Returns when the run is complete, the kernel died, or the run timed out (after interrupting
     it and waiting ``interrupt_grace``). Messages for any other request are ignored. When the
     caller cancels, the run is wound down (see :func:`_wind_down`) and the cancellation goes on
-    with ``out.cancelled`` set.
+    with ``out.cancelled`` set. ``fence``: follow the request with a fence (the kernel side
+    answers them) and end the run on its answer (see the module's docstring).
     """
     out = out if out is not None else RunOutcome()
     collector = OutputCollector(out.collected, max_output_chars, callbacks or Callbacks())
     start = time.monotonic()
     content = request.content()
     msg_id = await conn.send("shell", request.msg_type, content, metadata=request.metadata)
-    run = _Run(msg_id, request.reply_type, request.quiet, out, collector)
+    fence_id = await conn.send("shell", FENCE_REQUEST, {}) if fence else None
+    run = _Run(msg_id, request.reply_type, request.quiet, out, collector, fence_id)
     try:
         await _collect(conn, run, start + timeout, interrupt_grace, output_grace)
-    except asyncio.CancelledError:
-        # The caller gave up (its own timeout, a disconnect): stop the code so the session's
-        # next call does not queue behind it in the kernel.
+    except (asyncio.CancelledError, CallbackFailed):
+        # The caller gave up (its own timeout, a disconnect) or its output hook raised: stop
+        # the code so the session's next call does not queue behind it in the kernel.
         out.cancelled = True
         await finish_shielded(_wind_down(conn, run, interrupt_grace))
         raise
@@ -103,18 +114,32 @@ class _Run:
     quiet: bool  # no busy/idle: complete once the outputs the reply counts have arrived
     out: RunOutcome
     collector: OutputCollector
-    expected: int | None = None  # output messages the kernel says it sent (quiet runs)
+    fence_id: str | None = None  # the fence sent after the request (None: not fenced)
+    fenced: bool = False  # the fence's answer arrived: the kernel has finished the run
+    expected: int | None = None  # output messages the kernel says it sent
+
+    @property
+    def replied(self) -> bool:
+        """The run's reply is in, and it is the kernel side's own (the fence answered)."""
+        return self.out.reply is not None and (self.fence_id is None or self.fenced)
 
     def complete(self) -> bool:
         out = self.out
-        if out.reply is None:
+        if not self.replied:
             return False
+        if self.fence_id is not None:
+            # An idle may be forged as a reply may; the real reply counts the outputs.
+            if self.expected is None:
+                count = output_count(out.reply or {})
+                self.expected = count.sent if count is not None else -1
+            if self.expected >= 0:
+                return out.collected.received >= self.expected
         if out.idle:
             return True
         if not self.quiet:
             return False
         if self.expected is None:
-            count = output_count(out.reply)
+            count = output_count(out.reply or {})
             self.expected = count.sent if count is not None else 0
         return out.collected.received >= self.expected
 
@@ -130,7 +155,7 @@ async def _collect(
     while not run.complete():
         now = time.monotonic()
         if now >= deadline:
-            if out.reply is not None:
+            if run.replied:
                 break  # the reply came but its idle was lost: keep what arrived
             if not out.timed_out:
                 out.timed_out = True
@@ -155,12 +180,17 @@ async def _take(msg: KernelMessage | KernelDied, run: _Run) -> bool:
         out.death = msg
         return False
     if msg.parent_id != run.msg_id:
+        fence = msg.parent_id is not None and msg.parent_id == run.fence_id
+        if fence and msg.channel == "shell" and msg.msg_type == FENCE_REPLY:
+            run.fenced = True
+            return out.reply is not None  # the reply is in and final: the grace starts
         return False
     out.started = True
     if msg.channel == "shell":
-        if msg.msg_type == run.reply_type:
+        if msg.msg_type == run.reply_type and not run.fenced:
+            # Before the fence's answer the last reply is the kernel side's own.
             out.reply = msg.content
-            return True
+            return run.replied
     elif msg.msg_type == "status":
         out.idle = msg.content.get("execution_state") == "idle"
     elif msg.channel == "iopub":
@@ -173,13 +203,13 @@ async def _wind_down(conn: KernelConnection, run: _Run, interrupt_grace: float) 
     until it ends or ``interrupt_grace`` passes (then ``out.stuck``: the kernel must go)."""
     out = run.out
     run.collector.callbacks = Callbacks()  # the caller is gone
-    if out.reply is None and out.death is None:
+    if not run.replied and out.death is None:
         await conn.interrupt()
     deadline = time.monotonic() + interrupt_grace
     while not run.complete() and out.death is None:
         now = time.monotonic()
         if now >= deadline:
-            out.stuck = out.reply is None
+            out.stuck = not run.replied
             return
         msg = await conn.receive(deadline - now)
         if msg is not None:

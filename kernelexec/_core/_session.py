@@ -13,23 +13,35 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePath
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from nbformat import NotebookNode
 
 from kernelexec._aio import finish_shielded
 from kernelexec._config import valid_timeout
 from kernelexec._core._lease import KernelLease
-from kernelexec._core._outputs import Callbacks, Collected, OutputCallback
+from kernelexec._core._outputs import CallbackFailed, Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._traced import traced_call
-from kernelexec._exceptions import EnvSetupError, ExecutorClosedError
+from kernelexec._exceptions import (
+    BranchingNotSupportedError,
+    EnvSetupError,
+    ExecutorClosedError,
+)
+from kernelexec._files._commands import AsyncSessionCommands
+from kernelexec._files._link import KernelLink
+from kernelexec._files._session import AsyncSessionFiles
 from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
 from kernelexec._notebooks._recording import SessionRecorder
+from kernelexec._observability._otel import telemetry
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import ExecuteRequest
 from kernelexec._tools._tool import Tool
+
+if TYPE_CHECKING:
+    from kernelexec._branching._family import AsyncSnapshot
+    from kernelexec._core._forking import SessionBranches
 
 log = logging.getLogger("kernelexec.kernel")
 
@@ -72,8 +84,11 @@ class AsyncSession:
         on_close: Callable[[AsyncSession], Awaitable[None]] | None = None,
         isolation: Isolation | None = None,
         backend: str = "local",
+        setup_code: tuple[str, ...] = (),
+        branches: SessionBranches | None = None,
     ) -> None:
         self.agent_id = agent_id
+        self._branches = branches
         self.backend = backend
         """The name of the backend running the session's kernels (``local``, ``gateway``)."""
         self.isolation = isolation or Isolation(level="none")
@@ -94,6 +109,17 @@ class AsyncSession:
         self._on_close = on_close
         self._state = Lifecycle(f"session {agent_id!r}", opened=True)
         self._current: RunOutcome | None = None  # the run in progress, for a cancellation
+        self.setup_code = setup_code
+        """Code run in every fresh kernel of the session before its first call (the executor's
+        ``setup_code``, then the session's)."""
+        self._setup_done = 0  # the kernel generation that last ran setup_code
+        link = KernelLink(lease, self._state.check, str(workdir), timeout=default_timeout)
+        self.files = AsyncSessionFiles(link)
+        """Files in the session's working directory, moved through its kernel (see
+        :class:`kernelexec.AsyncSessionFiles`): ``await session.files.write("a.csv", data)``."""
+        self.commands = AsyncSessionCommands(link)
+        """Shell commands run in the background in the kernel while the session's other
+        calls go on (see :class:`kernelexec.AsyncSessionCommands`)."""
 
     # -- public API -------------------------------------------------------------------------
 
@@ -173,6 +199,13 @@ class AsyncSession:
                     )
                 )
                 raise
+            except CallbackFailed as failed:
+                await finish_shielded(
+                    self._record_cancelled(
+                        failed, kind="code", code=code, started=started, timeout_s=timeout
+                    )
+                )
+                raise _callers_error(failed) from None
             execution = Execution(**result)
             problem = await self._observe(
                 "code", execution, started, timeout, generation, report, {"code": code}
@@ -257,6 +290,19 @@ class AsyncSession:
                         )
                     )
                     raise
+                except CallbackFailed as failed:
+                    await finish_shielded(
+                        self._record_cancelled(
+                            failed,
+                            kind="tool_call",
+                            tool=tool,
+                            args=args,
+                            agent_state=agent_state,
+                            started=started,
+                            timeout_s=timeout,
+                        )
+                    )
+                    raise _callers_error(failed) from None
                 fields["sandbox_config_fingerprint"] = self.fingerprint
                 fields["agent_state"] = agent_state
                 if report is not None and report.result is not None:
@@ -295,6 +341,64 @@ class AsyncSession:
             return {}
         return protocol.read_variables(out.reply)
 
+    async def fork(self, n: int = 1) -> list[AsyncSession]:
+        """Branch the live session: ``n`` new sessions whose kernels are copies of this one's
+        (every variable, import and definition; memory shared copy-on-write), which then go
+        their own ways. Waits for the running call; this kernel is paused only for one
+        ``fork()``.
+
+        Each child is a session of its own (agent id ``"<agent_id>~<k>"``), with its own
+        connection file and key, working directory (a copy of this one's files), recording
+        (starting with a cell naming this session) and, at ``"process"``, this session's
+        user and limits in a cgroup of its own. Threads started in this kernel do not exist
+        in a child: its first result warns about them on stderr. Children count against
+        ``max_kernels``; closing this session leaves them running.
+
+        Raises:
+            PoolExhaustedError: the children would exceed ``max_kernels`` (nothing forked).
+            BranchingNotSupportedError: this backend or isolation level cannot fork.
+            BranchError: the kernel could not be forked.
+        """
+        branches = self._need_branches()
+        async with self._lease.hold():
+            self._state.check()
+            with telemetry().span("session.fork", {**self._span_attributes(), "kernelexec.n": n}):
+                return await branches.fork(self, n)
+
+    async def snapshot(self) -> AsyncSnapshot:
+        """A frozen copy of this session (a paused fork of its kernel holding memory only for
+        the pages that later change, and a copy of its files) to :meth:`restore` later.
+
+        Raises:
+            BranchingNotSupportedError: this backend or isolation level cannot fork.
+            BranchError: the kernel could not be forked.
+        """
+        branches = self._need_branches()
+        async with self._lease.hold():
+            self._state.check()
+            with telemetry().span("session.snapshot", self._span_attributes()):
+                return await branches.snapshot(self)
+
+    async def restore(self, snap: AsyncSnapshot) -> None:
+        """Put the session back to exactly the state of ``snap`` (its variables and its
+        working directory's files); any number of times. Waits for the running call.
+
+        Raises:
+            ValueError: ``snap`` was taken of another session.
+            BranchError: the snapshot is closed, or the restored kernel did not start.
+        """
+        branches = self._need_branches()
+        async with self._lease.hold():
+            self._state.check()
+            with telemetry().span("session.restore", self._span_attributes()):
+                await branches.restore(self, snap)
+
+    def _need_branches(self) -> SessionBranches:
+        self._state.check()
+        if self._branches is None:
+            raise BranchingNotSupportedError("this session cannot be forked")
+        return self._branches
+
     async def interrupt(self) -> None:
         """Interrupt whatever the kernel is running now (the running call gets the error)."""
         self._state.check()
@@ -325,6 +429,13 @@ class AsyncSession:
             observer.close()
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _span_attributes(self) -> dict[str, str]:
+        return {
+            "kernelexec.agent_id": self.agent_id,
+            "kernelexec.backend": self.backend,
+            "kernelexec.isolation": self.isolation.level,
+        }
 
     def _check_timeout(self, timeout: float | None) -> float:
         return self._timeout if timeout is None else valid_timeout(timeout)
@@ -375,6 +486,13 @@ class AsyncSession:
             fields = _not_run(error)
             fields["duration_s"] = time.monotonic() - start
             return fields, None, self._lease.generation
+        failed = await self._set_up(timeout)
+        if failed is not None:
+            fields = _not_run(failed)
+            fields["kernel_restarted"] = lost is not None
+            fields["lost_variables"] = sorted(set(lost or []))
+            fields["duration_s"] = time.monotonic() - start
+            return fields, None, self._lease.generation
         out = await self._send(request, timeout, callbacks)
         if out.died and not out.started:
             # The kernel died before it saw the request (e.g. killed between calls): the
@@ -382,10 +500,53 @@ class AsyncSession:
             lost = (lost or []) + await self._lease.replace()
             out = await self._send(request, timeout, callbacks)
         generation = self._lease.generation
-        fields, report = await self._finish(out, timeout, lost)
+        tool_call = protocol.is_tool_call(request)
+        fields, report = await self._finish(out, timeout, lost, tool_call=tool_call)
         fields["duration_s"] = time.monotonic() - start
         self._current = None  # the result owns its outputs now
         return fields, report, generation
+
+    @property
+    def setup_current(self) -> bool:
+        """Whether ``setup_code`` has run in the current kernel (a fork of it carries it)."""
+        return not self.setup_code or self._setup_done == self._lease.generation
+
+    def setup_inherited(self) -> None:
+        """The current kernel is a fork of one that ran ``setup_code``: not run again."""
+        self._setup_done = self._lease.generation
+
+    async def _set_up(self, timeout: float) -> ExecError | None:
+        """Run ``setup_code`` once per kernel, before its first call; the error when it failed
+        (it is tried again before the next call)."""
+        if not self.setup_code or self._setup_done == self._lease.generation:
+            return None
+        for code in self.setup_code:
+            out = await self._send(protocol.code_request(code), timeout, Callbacks())
+            self._current = None
+            reply = out.reply or {}
+            if out.died or out.stuck or out.timed_out:
+                what = "timed out" if out.timed_out or out.stuck else "killed its kernel"
+                if out.died or out.stuck:
+                    await self._lease.lose_state()
+                return ExecError(
+                    kind="setup_failed",
+                    ename="SetupCodeError",
+                    evalue=f"the session's setup_code {what}; the call did not run",
+                )
+            report = protocol.read_report(reply)
+            if report is not None:
+                self._lease.update_names(report.names)
+            if reply.get("status") != "ok" or out.collected.error is not None:
+                error = protocol.error_from(out.collected.error or reply, "exception")
+                return ExecError(
+                    kind="setup_failed",
+                    ename=error.ename,
+                    evalue=f"the session's setup_code raised {error.ename}: {error.evalue}; "
+                    "the call did not run",
+                    traceback=error.traceback,
+                )
+        self._setup_done = self._lease.generation
+        return None
 
     def _raise_if_closed_under_us(self) -> None:
         """A run ended by the executor closing (its kernels shut down under it) was not
@@ -397,10 +558,11 @@ class AsyncSession:
                 f"the executor was closed while a call of session {self.agent_id!r} ran"
             ) from None
 
-    async def _record_cancelled(self, **record: Any) -> None:
-        """A call its caller cancelled: replace the kernel now if the call did not stop when
-        interrupted (so the next call starts on a healthy kernel and is not blamed), and hand
-        the observers the run as far as it went (its outputs so far)."""
+    async def _record_cancelled(self, failed: CallbackFailed | None = None, **record: Any) -> None:
+        """A call its caller cancelled, or whose output hook raised (``failed``): replace the
+        kernel now if the call did not stop when interrupted (so the next call starts on a
+        healthy kernel and is not blamed), and hand the observers the run as far as it went
+        (its outputs so far)."""
         out, self._current = self._current, None
         generation = self._lease.generation
         replaced = out is not None and (out.stuck or out.died) and not self._state.closed
@@ -408,15 +570,16 @@ class AsyncSession:
             await self._lease.lose_state()  # the next run reports the lost names
         if not self._observers:
             return
-        why = "the caller cancelled the call; " + (
+        why = ("the caller cancelled the call; " if failed is None else f"{failed}; ") + (
             "it did not stop when interrupted, so its kernel was replaced and its state lost"
             if replaced
             else "it was interrupted"
         )
+        ename = "CancelledError" if failed is None else type(failed.error).__name__
         collected = out.collected if out is not None else Collected()
         fields: dict[str, Any] = {
             "status": "error",
-            "error": ExecError(kind="cancelled", ename="CancelledError", evalue=why),
+            "error": ExecError(kind="cancelled", ename=ename, evalue=why),
             "stdout": collected.stdout,
             "stderr": collected.stderr,
             "outputs": collected.outputs,
@@ -455,10 +618,11 @@ class AsyncSession:
             max_output_chars=self._max_output,
             callbacks=callbacks,
             out=self._current,
+            fence=conn.fenced,
         )
 
     async def _finish(
-        self, out: RunOutcome, timeout: float, lost: list[str] | None
+        self, out: RunOutcome, timeout: float, lost: list[str] | None, *, tool_call: bool
     ) -> tuple[dict[str, Any], protocol.Report | None]:
         error: ExecError | None = None
         restarted = lost is not None
@@ -501,7 +665,8 @@ class AsyncSession:
                     traceback=list((collected.error or {}).get("traceback") or []),
                 )
             elif reply.get("status") != "ok" or collected.error is not None:
-                error = protocol.error_from(collected.error or reply, protocol.failure_kind(reply))
+                kind = protocol.failure_kind(reply, tool_call=tool_call)
+                error = protocol.error_from(collected.error or reply, kind)
         lost_outputs = _account_outputs(collected, protocol.output_count(reply))
         fields: dict[str, Any] = {
             "status": "error" if error else "success",
@@ -529,7 +694,7 @@ def _account_outputs(collected: Collected, count: protocol.OutputCount | None) -
     if lost:
         notes.append(
             f"[kernelexec: {lost} output message(s) of {count.sent} lost: sent by the kernel, "
-            "never received (dropped in transit while the host fell behind, or refused)]"
+            "never received (refused by the host, or lost by a broken transport)]"
         )
     if count.suppressed:
         notes.append(
@@ -550,6 +715,16 @@ def _account_outputs(collected: Collected, count: protocol.OutputCount | None) -
         else:
             outputs.append({"output_type": "stream", "name": "stdout", "text": text})
     return lost
+
+
+def _callers_error(failed: CallbackFailed) -> Exception:
+    """The exception the caller's hook raised, noting what kernelexec did about it."""
+    error = failed.error
+    note = f"kernelexec: raised by the {failed.hook} callback; the run was interrupted"
+    add_note = getattr(error, "add_note", None)  # Python 3.11+
+    if callable(add_note):
+        add_note(note)
+    return error
 
 
 def _not_run(error: ExecError) -> dict[str, Any]:

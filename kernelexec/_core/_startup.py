@@ -15,7 +15,7 @@ import time
 from kernelexec._aio import finish_then_cancel
 from kernelexec._core._run import run_internal
 from kernelexec._exceptions import KernelStartError
-from kernelexec._protocol._host import ExecuteRequest, serves_calls
+from kernelexec._protocol._host import ExecuteRequest, answers_fences, serves_calls
 from kernelexec.backends._base import KernelBackend, KernelConnection, KernelDied, KernelLaunch
 
 _RESEND = 0.1
@@ -59,16 +59,27 @@ async def restart_kernel(conn: KernelConnection, bootstrap: ExecuteRequest, time
     await _ready_and_installed(conn, bootstrap, deadline)
 
 
+async def make_ready(conn: KernelConnection, bootstrap: ExecuteRequest, timeout: float) -> None:
+    """Wait until an already started kernel (a branch) is ready and run ``bootstrap`` in it,
+    as :func:`start_kernel` does.
+
+    Raises:
+        KernelStartError: it did not become ready or the bootstrap failed.
+    """
+    await _ready_and_installed(conn, bootstrap, time.monotonic() + timeout)
+
+
 async def _ready_and_installed(
     conn: KernelConnection, bootstrap: ExecuteRequest, deadline: float
 ) -> None:
     await wait_ready(conn, deadline)
-    conn.serves_calls = False
+    conn.serves_calls = conn.fenced = False
     out = await run_internal(conn, bootstrap, max(0.1, deadline - time.monotonic()))
     if out.died or out.timed_out or (out.reply or {}).get("status") != "ok":
         detail = (out.collected.error or out.reply or {}).get("evalue", "no reply")
         raise KernelStartError(f"installing kernelexec's helper in the kernel failed: {detail}")
     conn.serves_calls = conn.custom_messages and serves_calls(out.reply or {})
+    conn.fenced = conn.custom_messages and answers_fences(out.reply or {})
 
 
 async def wait_ready(conn: KernelConnection, deadline: float) -> None:

@@ -38,11 +38,7 @@ def traced_call(
             t = telemetry()
             if not t.enabled:
                 return await method(self, *args, **kwargs)
-            attributes: dict[str, Any] = {
-                "kernelexec.agent_id": self.agent_id,
-                "kernelexec.backend": self.backend,
-                "kernelexec.isolation": self.isolation.level,
-            }
+            attributes: dict[str, Any] = self._span_attributes()
             if operation == "call_tool":
                 tool = args[0] if args else kwargs.get("tool")
                 attributes["kernelexec.tool"] = str(getattr(tool, "name", ""))

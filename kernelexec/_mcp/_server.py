@@ -1,5 +1,6 @@
-"""The MCP server: its tools (``run_python``, ``list_sessions``, ``reset_session`` and every
-``--tools`` tool) on the SDK's low-level server, over one executor the server's lifespan owns.
+"""The MCP server: its tools (``run_python``, ``list_sessions``, ``reset_session``, ``fork``,
+``snapshot``, ``restore`` and every ``--tools`` tool) on the SDK's low-level server, over one
+executor the server's lifespan owns.
 
 Each request runs in a session of its client connection (``_sessions``). A run streams its
 output as progress notifications; a client's cancellation interrupts the kernel, waits for the
@@ -29,6 +30,7 @@ from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._core._session import AsyncSession
 from kernelexec._envs._envs import VenvEnv
 from kernelexec._exceptions import ConfigError, KernelExecError
+from kernelexec._mcp import _branches
 from kernelexec._mcp._options import McpOptions
 from kernelexec._mcp._results import (
     RunPythonResult,
@@ -112,10 +114,14 @@ def builtin_tools() -> list[types.Tool]:
 def build_server(options: McpOptions, tools: list[Tool]) -> Server[ServerState]:
     """The MCP server for ``options``; its lifespan starts and closes the executor."""
     by_name = {tool.name: tool for tool in tools}
-    listed = builtin_tools() + [
-        types.Tool(name=t.name, description=t.description, input_schema=t.parameters_schema)
-        for t in tools
-    ]
+    listed = (
+        builtin_tools()
+        + _branches.branch_tools()
+        + [
+            types.Tool(name=t.name, description=t.description, input_schema=t.parameters_schema)
+            for t in tools
+        ]
+    )
     executor_config = options.executor_config()
     make_config(**executor_config)  # a bad value is refused now, not when the first client comes
 
@@ -149,6 +155,8 @@ def build_server(options: McpOptions, tools: list[Tool]) -> Server[ServerState]:
             if params.name == "reset_session":
                 _check(args, _SESSION_ONLY)
                 return await _reset_session(ctx, state, args.get("session"))
+            if params.name in ("fork", "snapshot", "restore"):
+                return await _branch(ctx, state, params.name, args)
             tool = state.tools.get(params.name)
             if tool is None:
                 # Not a tool's failure but a request for a tool that does not exist: the spec
@@ -168,6 +176,25 @@ def build_server(options: McpOptions, tools: list[Tool]) -> Server[ServerState]:
         on_list_tools=list_tools,
         on_call_tool=call_tool,
     )
+
+
+async def _branch(
+    ctx: Context, state: ServerState, name: str, args: dict[str, Any]
+) -> types.CallToolResult:
+    client = client_of(ctx, state)
+    registry = state.registry
+    session = args.get("session")
+    if name == "fork":
+        _check(args, _branches.FORK_SCHEMA)
+        return await _branches.fork(client, registry, session, int(args.get("n", 1)))
+    if name == "snapshot":
+        _check(args, _branches.SNAPSHOT_SCHEMA)
+        return await _branches.snapshot(client, registry, session)
+    _check(args, _branches.RESTORE_SCHEMA)
+    try:
+        return await _branches.restore(client, registry, session, args["snapshot"])
+    except (LookupError, ValueError) as exc:
+        return error_result(str(exc))
 
 
 def _check(args: dict[str, Any], schema: dict[str, Any]) -> None:

@@ -12,16 +12,21 @@ import logging
 import re
 import secrets
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._core._session import AsyncSession
 from kernelexec._exceptions import ConfigError
 
+if TYPE_CHECKING:
+    from kernelexec._branching._family import AsyncSnapshot
+
 log = logging.getLogger("kernelexec.mcp")
 
 DEFAULT_NAME = "default"
 _RESERVED_PREFIX = "client-"
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._~-]{0,63}")
+_BRANCH = re.compile(r"(~[0-9]{1,6}){1,16}")  # default~1~2: a branch of the default session
 
 
 @dataclass
@@ -37,6 +42,8 @@ class SessionEntry:
     last_outcome: str | None = None
     cancelled: int = 0
     last_cancelled: str | None = None
+    snapshots: dict[str, AsyncSnapshot] = field(default_factory=dict)
+    snapshot_count: int = 0
 
     def use(self, session: AsyncSession) -> AsyncSession:
         """Note that ``session`` (one per environment the entry ran in) belongs to it."""
@@ -75,6 +82,7 @@ class SessionRegistry:
         """``user`` went away: close each session no other connection uses (at once: a stdio
         client kills the server 2 s after it closes stdin)."""
         closing: list[AsyncSession] = []
+        snapshots: list[AsyncSnapshot] = []
         for agent_id, entry in list(self._entries.items()):
             if user not in entry.users:
                 continue
@@ -82,6 +90,8 @@ class SessionRegistry:
             if not entry.users:
                 del self._entries[agent_id]
                 closing.extend(entry.sessions)
+                snapshots.extend(entry.snapshots.values())
+        await asyncio.gather(*(snap.aclose() for snap in snapshots))
         await asyncio.gather(*(session.aclose() for session in closing))
         if closing:
             log.info("closed %d session(s) of connection %s", len(closing), user)
@@ -105,6 +115,11 @@ class ClientConnection:
         if name is None or name == DEFAULT_NAME:
             entry = self.registry.entry(self.default_agent, shared=False, user=self.id)
             return DEFAULT_NAME, entry
+        branch = isinstance(name, str) and name.startswith(DEFAULT_NAME + "~")
+        if branch and _BRANCH.fullmatch(name[len(DEFAULT_NAME) :]):
+            # A branch of this connection's own session: private to the connection too.
+            agent = self.default_agent + name[len(DEFAULT_NAME) :]
+            return name, self.registry.entry(agent, shared=False, user=self.id)
         if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise ConfigError(
                 f"session {name!r} is not a valid session name (1-64 letters, digits, '.', '_' "
@@ -118,8 +133,10 @@ class ClientConnection:
         return name, self.registry.entry(name, shared=True, user=self.id)
 
     def shown_name(self, entry: SessionEntry) -> str:
-        """How this client names ``entry``."""
-        return DEFAULT_NAME if entry.agent_id == self.default_agent else entry.agent_id
+        """How this client names ``entry`` (``default~1`` for a branch of its own session)."""
+        if entry.agent_id.startswith(self.default_agent):
+            return DEFAULT_NAME + entry.agent_id[len(self.default_agent) :]
+        return entry.agent_id
 
     async def aclose(self) -> None:
         """Close the sessions only this connection used. Idempotent."""

@@ -222,6 +222,26 @@ class SessionRecorder:
             return
         self.notebook.cells.append(self._cell(source, result.outputs, result.execution_count, meta))
 
+    def note_branch(self, parent: str, parent_notebook: NotebookNode | None) -> None:
+        """Start the recording with a cell saying that this session was forked from the
+        session ``parent`` (after its last recorded cell, when it records too)."""
+        cells = len(parent_notebook.cells) if parent_notebook is not None else None
+        where = f"after its cell {cells}" if cells else "(which does not record its cells)"
+        cell = nbformat.v4.new_markdown_cell(
+            source=(
+                f"Branched from session `{parent}` {where} at {now_iso()}: this session "
+                "started with a copy of that session's kernel and files."
+            )
+        )
+        cell.metadata[KEY] = {
+            "kind": "branch",
+            "agent_id": self.agent_id,
+            "parent": parent,
+            "parent_cell": cells,
+        }
+        self.notebook.cells.append(cell)
+        self.save()
+
     def save(self) -> None:
         """Write the notebook to its file atomically (no-op when kept in memory).
 

@@ -24,6 +24,8 @@ from kernelexec._tools._tool import Tool
 RESULT_MIME = kernel_side.RESULT_MIME
 CALL_REQUEST = kernel_side.CALL_REQUEST
 CALL_REPLY = kernel_side.CALL_REPLY
+FENCE_REQUEST = kernel_side.FENCE_REQUEST
+FENCE_REPLY = kernel_side.FENCE_REPLY
 _MODULE = f"__import__({kernel_side.MODULE_NAME!r})"
 REPORT_EXPRESSION = f"{_MODULE}.report()"
 _REPORT = {kernel_side.REPORT_KEY: REPORT_EXPRESSION}
@@ -94,10 +96,14 @@ def bootstrap_request(
     ``KERNELEXEC_FAST_CALLS=0`` in the environment turns that off whatever the caller says,
     so a whole test suite can run on the execute path.
     """
-    source = importlib.resources.files(__package__).joinpath("_kernel_side.py").read_text()
+    files = importlib.resources.files(__package__)
+    source = files.joinpath("_kernel_side.py").read_text()
+    output_source = files.joinpath("_kernel_output.py").read_text()
     if fast_paths is None:
         fast_paths = os.environ.get("KERNELEXEC_NO_FAST_PATHS") != "1"
     fast_calls = fast_calls and os.environ.get("KERNELEXEC_FAST_CALLS", "1") != "0"
+    # For benchmarks that measure what flow control saves (``benchmarks/outputs.py``).
+    flow_control = os.environ.get("KERNELEXEC_NO_FLOW_CONTROL") != "1"
     code = (
         "def __kx_install():\n"
         "    import sys, types\n"
@@ -116,10 +122,12 @@ def bootstrap_request(
         metadata={
             kernel_side.METADATA_KEY: {
                 "source": source,
+                "output_source": output_source,
                 "max_output_chars": max_output_chars,
                 "report_expression": REPORT_EXPRESSION,
                 "fast_paths": fast_paths,
                 "fast_calls": fast_calls,
+                "flow_control": flow_control,
             }
         },
     )
@@ -212,10 +220,21 @@ def is_tool_call(request: ExecuteRequest) -> bool:
 
 def serves_calls(install_reply: dict[str, Any]) -> bool:
     """Whether the kernel side, by the reply to :func:`bootstrap_request`, serves tool calls."""
+    return "call" in _capabilities(install_reply)
+
+
+def answers_fences(install_reply: dict[str, Any]) -> bool:
+    """Whether the kernel side, by the reply to :func:`bootstrap_request`, answers
+    :data:`FENCE_REQUEST` (then a run ends on the fence's answer, see ``_core._run``)."""
+    return "fence" in _capabilities(install_reply)
+
+
+def _capabilities(install_reply: dict[str, Any]) -> list[Any]:
     for payload in _payloads(install_reply):
         if payload.get("source") == kernel_side.CAPABILITIES_PAYLOAD:
-            return "call" in (payload.get("serves") or [])
-    return False
+            serves = payload.get("serves")
+            return serves if isinstance(serves, list) else []
+    return []
 
 
 def with_configure(request: ExecuteRequest, settings: dict[str, Any]) -> ExecuteRequest:
@@ -258,9 +277,13 @@ def asked_exit(reply: dict[str, Any]) -> bool:
     return any(p.get("source") == "ask_exit" for p in _payloads(reply))
 
 
-def failure_kind(reply: dict[str, Any]) -> ErrorKind:
-    """The kind of a failed run: what kernelexec's own checks in the kernel said, else
-    ``"exception"``. An exception's name never decides it."""
+def failure_kind(reply: dict[str, Any], *, tool_call: bool) -> ErrorKind:
+    """The kind of a failed run: for a tool call, what kernelexec's own checks in the kernel
+    said, else ``"exception"``. An exception's name never decides it, nor a payload the code
+    wrote itself (the kernel side keeps only its own verdict); kernelexec checks nothing in a
+    ``run_code`` run, so its kind is always ``"exception"``."""
+    if not tool_call:
+        return "exception"
     for payload in _payloads(reply):
         if payload.get("source") == kernel_side.ERROR_PAYLOAD:
             kind = payload.get("kind")

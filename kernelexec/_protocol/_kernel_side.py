@@ -20,7 +20,11 @@ What it does inside the kernel:
   cannot write to;
 * reports the names of user variables after each run, so the host can say what a restart lost;
 * says, in the reply's payload, when one of its own checks failed (``ERROR_PAYLOAD``): the
-  host classifies errors by that, never by an exception's name, which user code controls.
+  host classifies errors by that, never by an exception's name, which user code controls, and
+  a payload the code wrote there itself is dropped (:func:`_sealed`);
+* answers fences (``FENCE_REQUEST``), which tell the host that a run has really ended;
+* installs ``_kernel_output.py`` (sent along): output waits for the host instead of being
+  dropped, and fd-level output keeps its characters whole.
 
 The constants below are shared with the host half (``kernelexec._protocol._host``), which
 imports this module; nothing here imports anything of kernelexec.
@@ -48,6 +52,7 @@ import signal
 import sys
 import threading
 import time
+import types
 import uuid
 from typing import Any
 
@@ -92,6 +97,12 @@ CALL_REQUEST = "kernelexec_call_request"
 :func:`_serve_call`); its reply is ``CALL_REPLY``."""
 
 CALL_REPLY = "kernelexec_call_reply"
+
+FENCE_REQUEST = "kernelexec_fence_request"
+"""A shell request answered at once with ``FENCE_REPLY``; sent right after a run's request, its
+answer means the kernel has finished the run (see :func:`_fence_handler`)."""
+
+FENCE_REPLY = "kernelexec_fence_reply"
 
 CAPABILITIES_PAYLOAD = "kernelexec.capabilities"
 """The ``source`` of the install reply's payload that lists what this kernel's helper serves."""
@@ -224,8 +235,9 @@ def _parent_id(parent: Any) -> Any:
     return header.get("msg_id") if isinstance(header, dict) else None
 
 
-def _guard_session(session: Any, budget: _Budget) -> None:
-    """Make every output message pass the budget before it is serialised and sent."""
+def _guard_session(session: Any, budget: _Budget, gate: Any) -> None:
+    """Make every output message pass the budget before it is serialised and sent, once the
+    host has room for it (``gate``: see ``_kernel_output``)."""
     original = session.send
 
     def send(
@@ -242,12 +254,11 @@ def _guard_session(session: Any, budget: _Budget) -> None:
             parent_id = _parent_id(msg_or_type.get("parent_header"))
         else:
             kind, body, parent_id = msg_or_type, content, _parent_id(parent)
-        if (
-            kind in OUTPUT_TYPES
-            and isinstance(body, dict)
-            and not budget.admit(str(kind), body, parent_id)
-        ):
-            return None
+        if kind in OUTPUT_TYPES and isinstance(body, dict):
+            if gate is not None:
+                gate.wait()
+            if not budget.admit(str(kind), body, parent_id):
+                return None
         return original(stream, msg_or_type, content, parent, *args, **kw)
 
     session.send = send
@@ -296,12 +307,29 @@ def _payload() -> dict[str, Any]:
 
 
 def _failed(kind: str, error: Exception) -> Exception:
-    """Tell the host, through the reply's payload, what kind of failure ``error`` is.
+    """Note what kind of failure ``error`` is: one of kernelexec's own checks failed.
 
-    Payloads reach the host whatever the run's status; only kernelexec's own checks call this.
+    The note is the run's verdict; the reply carries it (:func:`_sealed`), whatever the run's
+    status. The tool's own code runs between the checks before it and the check after it,
+    and the verdict is cleared once that code is done (:func:`call`), so the tool cannot leave
+    one of its own.
     """
-    _ip().payload_manager.write_payload({"source": ERROR_PAYLOAD, "kind": kind})
+    _state["verdict"] = kind
     return error
+
+
+def _sealed(payloads: Any) -> list[Any]:
+    """A reply's payloads with the run's verdict as the only ``ERROR_PAYLOAD``: whatever the
+    code wrote there itself (``payload_manager.write_payload``) is dropped."""
+    kind = _state.pop("verdict", None)
+    kept = [
+        p
+        for p in (payloads if isinstance(payloads, list) else [])
+        if not (isinstance(p, dict) and p.get("source") == ERROR_PAYLOAD)
+    ]
+    if kind:
+        kept.append({"source": ERROR_PAYLOAD, "kind": kind})
+    return kept
 
 
 def _skip_empty_flush(stream: Any) -> None:
@@ -405,6 +433,20 @@ def _fast_report(expression: str) -> None:
     shell.user_expressions = user_expressions
 
 
+OUTPUT_MODULE_NAME = "__kernelexec_output__"
+"""The name ``_kernel_output.py`` (flow control, whole characters) is installed under."""
+
+
+def _load_module(name: str, source: Any) -> Any:
+    """Execute a companion module's source (sent with this one's) as module ``name``."""
+    if not isinstance(source, str):
+        return None
+    module = types.ModuleType(name)
+    sys.modules[name] = module
+    exec(compile(source, "<kernelexec>", "exec"), module.__dict__)
+    return module
+
+
 def install() -> None:
     """Set up the kernel for kernelexec; called once after the kernel starts."""
     cfg = _payload()
@@ -419,12 +461,21 @@ def install() -> None:
     kernel = shell.kernel
     _keep_no_output_history(shell)
     _quiet_debug_log(kernel)
+    streams = [s for s in (sys.stdout, sys.stderr) if hasattr(s, "session")]
+    output = _load_module(OUTPUT_MODULE_NAME, cfg.get("output_source"))
+    gate = None
+    if output is not None:
+        for stream in streams:
+            output.decode_whole_characters(stream)
+        if cfg.get("flow_control", True):
+            gate = output.install_flow_control(kernel, streams)
+    _state["gate"] = gate
     guarded: set[int] = set()
     for owner in (kernel, sys.stdout, sys.stderr, shell.displayhook, shell.display_pub):
         session = getattr(owner, "session", None)
         if session is not None and id(session) not in guarded:
             guarded.add(id(session))
-            _guard_session(session, budget)
+            _guard_session(session, budget, gate)
     if cfg.get("fast_paths", True):
         for stream in (sys.stdout, sys.stderr):
             if hasattr(stream, "session"):  # an ipykernel OutStream
@@ -433,9 +484,9 @@ def install() -> None:
         _fast_dates()
     if cfg.get("fast_paths", True) and cfg.get("report_expression"):
         _fast_report(cfg["report_expression"])
-    streams = [s for s in (sys.stdout, sys.stderr) if hasattr(s, "session")]
     shell.events.register("post_execute", lambda: _wait_for_fd_output(streams))
     shell.events.register("pre_execute", lambda: budget.reset(_run_id()))
+    shell.events.register("pre_execute", lambda: _state.pop("verdict", None))
     shell.events.register("pre_execute", configure)
     shell.events.register("pre_execute", _enter_env)
     finish_metadata = kernel.finish_metadata
@@ -445,41 +496,66 @@ def install() -> None:
         # skips post_execute for top-level-await cells): the one place to end an overlay.
         # The run's output was flushed just before, so its count is complete here.
         _leave_env()
+        if isinstance(reply_content, dict):
+            reply_content["payload"] = _sealed(reply_content.get("payload"))
         _account(budget, parent, reply_content)
         return finish_metadata(parent, metadata, reply_content)
 
     kernel.finish_metadata = finish
-    served = ["call"] if cfg.get("fast_calls", True) and _serve_calls(kernel, shell, budget) else []
+    handlers: dict[str, Any] = {"fence": (FENCE_REQUEST, _fence_handler(kernel))}
+    if cfg.get("fast_calls", True):
+        handlers["call"] = (CALL_REQUEST, _call_handler(kernel, shell, budget))
+    served = _serve(kernel, handlers)
     shell.payload_manager.write_payload({"source": CAPABILITIES_PAYLOAD, "serves": served})
 
 
-def _serve_calls(kernel: Any, shell: Any, budget: _Budget) -> bool:
-    """Register :func:`_serve_call` as the shell handler of ``CALL_REQUEST``; False when this
-    ipykernel has no handler table to register it in (the host then sends execute requests).
+def _serve(kernel: Any, handlers: dict[str, tuple[str, Any]]) -> list[str]:
+    """Register kernelexec's own shell handlers (name -> message type, handler); the names
+    registered, none when this ipykernel has no handler table (the host then sends execute
+    requests and no fences).
 
-    ipykernel publishes ``status: busy``/``idle`` around every shell request; for these calls
-    it does not: the reply says how many output messages were sent, which tells the host when
-    it has them all (the one thing idle was for), and two iopub messages less per call is a
-    quarter of a warm call's kernel time.
+    ipykernel publishes ``status: busy``/``idle`` around every shell request; for these it
+    does not: a call's reply says how many output messages were sent, which tells the host
+    when it has them all (the one thing idle was for), and two iopub messages less per call is
+    a quarter of a warm call's kernel time.
     """
-    handlers = getattr(kernel, "shell_handlers", None)
+    table = getattr(kernel, "shell_handlers", None)
     publish = getattr(kernel, "_publish_status", None)
-    if not isinstance(handlers, dict) or publish is None or not hasattr(kernel, "get_parent"):
-        return False
+    if not isinstance(table, dict) or publish is None or not hasattr(kernel, "get_parent"):
+        return []
+    quiet = {msg_type for msg_type, _ in handlers.values()}
 
     def publish_status(status: Any, channel: Any, parent: Any = None) -> Any:
         msg = parent if parent is not None else kernel.get_parent(channel)
         header = msg.get("header") if isinstance(msg, dict) else None
-        if isinstance(header, dict) and header.get("msg_type") == CALL_REQUEST:
+        if isinstance(header, dict) and header.get("msg_type") in quiet:
             return None
         return publish(status, channel, parent)
 
+    kernel._publish_status = publish_status
+    for msg_type, handler in handlers.values():
+        table[msg_type] = handler
+    return sorted(handlers)
+
+
+def _call_handler(kernel: Any, shell: Any, budget: _Budget) -> Any:
     async def handler(stream: Any, ident: Any, parent: Any) -> None:
         await _serve_call(kernel, shell, budget, stream, ident, parent)
 
-    kernel._publish_status = publish_status
-    handlers[CALL_REQUEST] = handler
-    return True
+    return handler
+
+
+def _fence_handler(kernel: Any) -> Any:
+    """Answers ``FENCE_REQUEST`` at once. ipykernel handles shell requests one at a time, so
+    the answer to a fence sent right after a run's request leaves only once the kernel has
+    finished that run: the host ends a run on that, not on a reply the run's own code may
+    have forged (it holds the session key)."""
+    send = kernel.session.send
+
+    async def handler(stream: Any, ident: Any, parent: Any) -> None:
+        send(stream, FENCE_REPLY, {}, parent, ident=ident)
+
+    return handler
 
 
 async def _serve_call(
@@ -526,7 +602,7 @@ async def _serve_call(
         reply["user_expressions"] = {
             REPORT_KEY: {"status": "ok", "data": _Report()._repr_mimebundle_(), "metadata": {}}
         }
-        reply["payload"] = list(shell.payload_manager.read_payload())
+        reply["payload"] = _sealed(list(shell.payload_manager.read_payload()))
         shell.payload_manager.clear_payload()
         _account(budget, parent, reply)
     except BaseException as exc:  # a fault of kernelexec's own: answer rather than go silent
@@ -639,6 +715,9 @@ def configure() -> None:
     if cfg.get("cwd"):
         os.makedirs(cfg["cwd"], exist_ok=True)
         os.chdir(cfg["cwd"])
+        # Kept for the files helper: later code may chdir away, and a relative working
+        # directory (a gateway kernel's) means something else once the kernel is inside it.
+        _state["workdir"] = os.getcwd()
     _state["language_info"] = dict(getattr(_ip().kernel, "language_info", {}))
 
 
@@ -783,6 +862,7 @@ def _wrap(value: Any) -> Any:
 def _prepare() -> tuple[Any, dict[str, Any], dict[str, Any]]:
     """The tool function, its bound arguments and the request's spec, from the metadata."""
     _state["result"] = None
+    _state["verdict"] = None
     spec = _payload()
     name = spec["name"]
     # The source comes with every call; it is executed only when new or changed, and the
@@ -825,9 +905,13 @@ def call() -> Any:
     The host sends ``await acall()`` instead for ``async def`` tools; a plain function that
     returns an awaitable anyway is refused rather than reported as an un-awaited object.
     """
+    finish = _finish  # bound before the tool's code runs (it may rebind module names)
     fn, args, spec = _prepare()
-    with _call_env(spec):
-        value = fn(**args)
+    try:
+        with _call_env(spec):
+            value = fn(**args)
+    finally:
+        _state["verdict"] = None  # a verdict the tool's own code left is not kernelexec's
     if inspect.isawaitable(value):
         close = getattr(value, "close", None)
         if callable(close):
@@ -837,7 +921,7 @@ def call() -> Any:
             "kernelexec awaits only async def tools"
         )
         raise _failed(INVALID_TOOL, KernelexecInvalidTool(message))
-    return _finish(value, args, spec)
+    return finish(value, args, spec)
 
 
 async def acall() -> Any:
@@ -847,12 +931,16 @@ async def acall() -> Any:
     IPython runs as a task on the kernel's running loop; the tool's coroutine gets a task of
     its own, so an interrupt can cancel it (see :func:`_await_interruptibly`).
     """
+    finish = _finish
     fn, args, spec = _prepare()
-    with _call_env(spec):
-        value = fn(**args)
-        if inspect.isawaitable(value):
-            value = await _await_interruptibly(value)
-    return _finish(value, args, spec)
+    try:
+        with _call_env(spec):
+            value = fn(**args)
+            if inspect.isawaitable(value):
+                value = await _await_interruptibly(value)
+    finally:
+        _state["verdict"] = None
+    return finish(value, args, spec)
 
 
 async def _await_interruptibly(awaitable: Any) -> Any:

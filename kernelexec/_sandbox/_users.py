@@ -81,3 +81,22 @@ def hand_over(path: str, uid: int) -> None:
                 os.chown(entry, uid, uid, follow_symlinks=False)
             except FileNotFoundError:
                 continue
+
+
+def kernel_path(python: str, path: str | None, *, own_user: bool) -> str:
+    """The ``PATH`` of a local kernel: its interpreter's directory first, so ``python`` in
+    a subprocess is the kernel's own interpreter, then the host's entries, less those a
+    kernel's own user could not reach (a pyenv shim under ``/root`` would shadow the rest
+    with "permission denied" or "not found").
+
+    The interpreter's directory is taken as given, not resolved: a virtual environment's
+    ``bin`` is the directory whose ``python`` has the environment's packages.
+    """
+    entries = [os.path.dirname(os.path.abspath(python))]
+    for entry in (path or os.defpath).split(os.pathsep):
+        if not entry or entry in entries:
+            continue
+        if own_user and blocked(entry) is not None:
+            continue
+        entries.append(entry)
+    return os.pathsep.join(entries)

@@ -116,6 +116,10 @@ class KernelConnection(abc.ABC):
     """Set by kernelexec's core (not the backend) each time it has installed its helper in
     the kernel: whether the helper serves tool calls as their own message."""
 
+    fenced: bool = False
+    """Set like :attr:`serves_calls`: whether the helper answers kernelexec's fence request
+    (sent after each run's request; the run ends on its answer)."""
+
     @abc.abstractmethod
     async def send(
         self,

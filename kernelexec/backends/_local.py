@@ -30,6 +30,7 @@ import sys
 import tempfile
 import time
 from collections import deque
+from dataclasses import dataclass
 from typing import IO, Any, Literal
 
 import psutil
@@ -122,6 +123,11 @@ _POLL = 0.05
 (a non-blocking ``waitpid``: no I/O)."""
 
 _RECEIVED = ("shell", "iopub", "control")
+_PENDING_MAX = 1_000
+"""Messages taken off the sockets and not yet handed to ``receive``. Past this the sockets are
+left to fill: the kernel then waits for the host (its iopub socket never drops, see
+``_protocol/_kernel_output``), so a slow consumer holds at most this many here, plus ZMQ's
+receive queue of 1,000."""
 _SEND_TRIES = 200
 _SEND_RETRY = 0.005
 """A request meets a full socket queue only when the kernel stopped reading: it is retried for
@@ -268,6 +274,20 @@ class LocalBackend(KernelBackend):
         return conn
 
 
+@dataclass(frozen=True)
+class KernelTenant:
+    """What a fork of a local kernel shares with it (read by ``kernelexec._branching``): how
+    it was launched, its confinement, and the user it runs as."""
+
+    python: str
+    extra_args: tuple[str, ...]
+    env: dict[str, str]
+    plan: SandboxPlan | None
+    workdir: str | None
+    uid: int | None
+    kdir: str
+
+
 class LocalConnection(KernelConnection):
     """A kernel process on this machine with its zmq channels (ipc sockets in a private dir)."""
 
@@ -333,6 +353,8 @@ class LocalConnection(KernelConnection):
                     self._cgroup = _cgroups.KernelCgroup.create(plan.cgroup_limits, self._budget)
                 except OSError as exc:
                     raise KernelStartError(f"could not set up the kernel's cgroup: {exc}") from exc
+        own_user = plan is not None and plan.own_user
+        env["PATH"] = _users.kernel_path(self._python, env.get("PATH"), own_user=own_user)
         env["IPYTHONDIR"] = os.path.join(kdir, "ipython")
         env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
         kernel_args = ["-f", "{connection_file}", *_KERNEL_FLAGS, *self._extra_args]
@@ -477,6 +499,18 @@ class LocalConnection(KernelConnection):
     def diagnostics(self, limit: int = 2000) -> str:
         return stderr_tail(self._stderr, "kernel stderr", limit)
 
+    def tenant(self) -> KernelTenant:
+        """How this kernel runs, for a fork of it (see :class:`KernelTenant`)."""
+        return KernelTenant(
+            self._python,
+            self._extra_args,
+            dict(self._env),
+            self._plan,
+            self._workdir,
+            self._uid,
+            self._dir,
+        )
+
     def connection_info(self) -> dict[str, Any] | None:
         km = self._km
         if km is None:
@@ -509,8 +543,8 @@ class LocalConnection(KernelConnection):
             except OSError:
                 return None
             return int(kids[0]) if kids else None
-        # Under the launcher (and bubblewrap) the kernel is the deepest process running the
-        # lean launcher's code.
+        # Under the launcher (and bubblewrap) the kernel is a process running the lean
+        # launcher's code (bubblewrap's command line holds it too).
         try:
             found = [
                 p
@@ -519,8 +553,22 @@ class LocalConnection(KernelConnection):
             ]
         except psutil.Error:
             return None
-        inner = [p for p in found if not any(q.ppid() == p.pid for q in found)]
-        return inner[0].pid if inner else None
+        # The kernel's own forks (branches: ``kernelexec._branching``) run the same code
+        # below it: the kernel is the one whose parent is not such a Python process.
+        pids = {p.pid: p for p in found}
+
+        def wrapper(proc: psutil.Process) -> bool:
+            return os.path.basename(str(proc.cmdline()[0])) == "bwrap"
+
+        try:
+            kernels = [
+                p
+                for p in found
+                if not wrapper(p) and (p.ppid() not in pids or wrapper(pids[p.ppid()]))
+            ]
+        except (psutil.Error, IndexError):
+            return None
+        return kernels[0].pid if kernels else None
 
     async def send(
         self,
@@ -595,8 +643,10 @@ class LocalConnection(KernelConnection):
     def _drain_ready(self) -> None:
         # zmq's fd only signals changes (edge-triggered): read until the socket itself says
         # nothing is left, or a message that came in meanwhile would wait for the next edge.
+        # Past _PENDING_MAX the rest waits in the socket; ``receive`` drains again once
+        # ``_pending`` is empty.
         for channel, sock in self._drain:
-            while True:
+            while len(self._pending) < _PENDING_MAX:
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
@@ -769,9 +819,9 @@ def _wake(waiter: asyncio.Future[None]) -> None:
 
 
 # An ipc socket's path must fit in sun_path: 108 bytes with the terminating NUL. Ours are
-# <tempdir>/kx-XXXXXXXX/s-<port>, ports up to five digits.
+# <tempdir>/kx-XXXXXXXX/s-<n>: jupyter-client numbers a kernel's ipc sockets 1 to 5.
 _SUN_PATH_MAX = 107
-_SOCKET_SUFFIX = "kx-XXXXXXXX/s-65535"
+_SOCKET_SUFFIX = "kx-XXXXXXXX/s-5"
 
 
 def _check_socket_room() -> None:

@@ -1,0 +1,1 @@
+"""Branching live sessions: forking a kernel into children, snapshots and restores."""

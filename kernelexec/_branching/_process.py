@@ -1,0 +1,279 @@
+"""The host's handles on the processes of branching: the kernel-side text installed in a live
+kernel, the request that forks a template from it, a template's control socket, and a branch
+kernel's process.
+
+See :mod:`kernelexec._branching._kernel_side` for what each process does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.resources
+import json
+import os
+import shutil
+import signal
+import socket
+import struct
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from kernelexec._branching import _kernel_side as kernel_side
+from kernelexec._exceptions import BranchError
+from kernelexec.backends._base import KernelConnection, KernelDied
+from kernelexec.backends._forkserver import ForkedProcess
+from kernelexec.backends._local import KernelTenant
+
+_INSTALL = (
+    "def __kx_branch_install():\n"
+    "    import sys, types\n"
+    "    from IPython import get_ipython\n"
+    "    meta = get_ipython().kernel.get_parent()['metadata']['kernelexec_branch']\n"
+    f"    mod = types.ModuleType({kernel_side.MODULE_NAME!r})\n"
+    "    mod.__dict__['__name__'] = mod.__name__\n"
+    f"    sys.modules[{kernel_side.MODULE_NAME!r}] = mod\n"
+    "    exec(compile(meta['source'], '<kernelexec branching>', 'exec'), mod.__dict__)\n"
+    "    mod.install()\n"
+    "__kx_branch_install(); del __kx_branch_install\n"
+)
+
+
+async def ask(
+    conn: KernelConnection,
+    msg_type: str,
+    content: dict[str, Any],
+    reply_type: str,
+    timeout: float,
+    metadata: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Send one shell request and return its reply's content (other messages are dropped:
+    the caller holds the session, so nothing else is in flight).
+
+    Raises:
+        BranchError: the kernel died or did not answer within ``timeout`` seconds.
+    """
+    msg_id = await conn.send("shell", msg_type, content, metadata=metadata)
+    deadline = time.monotonic() + timeout
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise BranchError(f"the kernel did not answer a {msg_type} in {timeout:g} s")
+        msg = await conn.receive(left)
+        if isinstance(msg, KernelDied):
+            raise BranchError(f"the kernel died while forking ({msg.reason})")
+        if msg is not None and msg.channel == "shell" and msg.parent_id == msg_id:
+            if msg.msg_type != reply_type:
+                raise BranchError(f"the kernel answered {msg.msg_type}, not {reply_type}")
+            return msg.content
+
+
+async def install(conn: KernelConnection, timeout: float) -> None:
+    """Install the kernel side of branching in a live kernel.
+
+    Raises:
+        BranchError: it could not be installed (the reply says why).
+    """
+    source = importlib.resources.files(__package__).joinpath("_kernel_side.py").read_text()
+    content = {
+        "code": _INSTALL,
+        "silent": True,
+        "store_history": False,
+        "user_expressions": {},
+        "allow_stdin": False,
+        "stop_on_error": False,
+    }
+    reply = await ask(
+        conn,
+        "execute_request",
+        content,
+        "execute_reply",
+        timeout,
+        metadata={"kernelexec_branch": {"source": source}},
+    )
+    if reply.get("status") != "ok":
+        raise BranchError(
+            f"could not make the kernel forkable: {reply.get('ename')}: {reply.get('evalue')}"
+        )
+
+
+@dataclass(frozen=True)
+class Forked:
+    """What the live kernel said after forking a template."""
+
+    pid: int
+    kernel: int
+    threads: list[str] = field(default_factory=list)
+    fork_s: float = 0.0
+    paused_s: float = 0.0
+
+
+async def fork_template(conn: KernelConnection, control: str, timeout: float) -> Forked:
+    """Ask the live kernel to fork a template listening at ``control``.
+
+    Raises:
+        BranchError: the kernel could not fork.
+    """
+    reply = await ask(
+        conn,
+        kernel_side.REQUEST,
+        {"control": control, "host": os.getpid()},
+        kernel_side.REPLY,
+        timeout,
+    )
+    if reply.get("status") != "ok" or not isinstance(reply.get("pid"), int):
+        raise BranchError(f"the kernel could not fork: {reply.get('evalue', 'no reason given')}")
+    return Forked(
+        int(reply["pid"]),
+        int(reply["kernel"]),
+        list(reply.get("threads") or []),
+        float(reply["fork_s"]),
+        float(reply.get("paused_s", 0.0)),
+    )
+
+
+class Template:
+    """A frozen copy of a kernel (a fork that runs nothing), which forks branch kernels.
+
+    Args:
+        pid: The template's process id.
+        control: The path of its listening socket.
+        tdir: Its private directory (removed by :meth:`close`).
+        threads: The user's threads of the kernel it was forked from.
+        tenant: How that kernel runs (its branches run the same way).
+        fork_s: How long the kernel was paused for the ``fork()``.
+        listener: The kernel that made the listening socket (and handed it to the template):
+            the only process whose socket the host may talk to at ``control``.
+
+    Raises:
+        BranchError: the template is gone, or another process answered at ``control``.
+    """
+
+    def __init__(
+        self,
+        pid: int,
+        control: str,
+        tdir: str,
+        threads: list[str],
+        tenant: KernelTenant,
+        fork_s: float = 0.0,
+        listener: int | None = None,
+    ) -> None:
+        self.pid = pid
+        self.tdir = tdir
+        self.threads = threads
+        self.tenant = tenant
+        self.fork_s = fork_s
+        self.extra_dirs: list[str] = []
+        """More directories to remove with the template (a snapshot's copy of the files)."""
+        self._lock = threading.Lock()
+        try:
+            self._pidfd: int | None = os.pidfd_open(pid)
+        except ProcessLookupError:
+            raise BranchError("the template exited at once") from None
+        chan = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        try:
+            chan.connect(control)
+            fmt = "3i"
+            cred = chan.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize(fmt))
+            peer = struct.unpack(fmt, cred)[0]
+        except OSError as exc:
+            peer, problem = 0, f"could not reach the template: {exc}"
+        else:
+            expected = listener if listener is not None else pid
+            problem = "" if peer == expected else f"process {peer}, not the template, answered"
+        if problem:
+            chan.close()
+            self._close_pidfd()
+            raise BranchError(problem)
+        self._chan: socket.socket | None = chan
+
+    def alive(self) -> bool:
+        """Whether the template still runs."""
+        fd = self._pidfd
+        if fd is None or self._chan is None:
+            return False
+        return not _readable(fd)
+
+    def _call(self, req: dict[str, Any], fds: tuple[int, ...] = ()) -> dict[str, Any]:
+        with self._lock:
+            chan = self._chan
+            if chan is None:
+                raise BranchError("the snapshot is closed")
+            try:
+                socket.send_fds(chan, [json.dumps(req).encode()], list(fds))
+                data = chan.recv(1 << 16)
+            except OSError as exc:
+                raise BranchError(f"the template is gone ({exc})") from None
+        if not data:
+            raise BranchError("the template is gone")
+        reply: dict[str, Any] = json.loads(data)
+        return reply
+
+    def fork(self, req: dict[str, Any], stderr: int) -> tuple[int, float]:
+        """Fork a branch kernel (blocking); its pid and how long the ``fork()`` took."""
+        reply = self._call({"op": "fork", **req}, (stderr,))
+        return int(reply["pid"]), float(reply.get("fork_s", 0.0))
+
+    def status(self, pid: int) -> int | None:
+        """Reap the template's ended child ``pid``; its exit status (None: unknown)."""
+        try:
+            value = self._call({"op": "status", "pid": pid}).get("status")
+        except BranchError:
+            return None
+        return int(value) if value is not None else None
+
+    def close(self) -> None:
+        """Kill the template and remove its directory (its branches die with it)."""
+        chan, self._chan = self._chan, None
+        if chan is not None:
+            chan.close()
+        if self._pidfd is not None:
+            with contextlib.suppress(OSError):
+                signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+            self._close_pidfd()
+        for path in [self.tdir, *self.extra_dirs]:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _close_pidfd(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+
+class BranchProcess(ForkedProcess):
+    """A branch kernel's process, shaped as the fork server's :class:`ForkedProcess` (its
+    end seen through a pidfd; its exit status from the template, which reaps it).
+
+    Raises:
+        ProcessLookupError: it has already ended (before a handle could be opened).
+    """
+
+    def __init__(self, pid: int, template: Template) -> None:
+        self.pid = pid
+        self.template = template
+        self.returncode: int | None = None
+        self._done = False
+        self._pidfd: int | None = os.pidfd_open(pid)
+
+    def _reap(self) -> None:
+        self.returncode = self.template.status(self.pid)
+        self._done = True
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+
+    def close(self) -> None:
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
+        self._done = True
+
+
+def _readable(fd: int) -> bool:
+    import select
+
+    poller = select.poll()
+    poller.register(fd, select.POLLIN)
+    return bool(poller.poll(0))

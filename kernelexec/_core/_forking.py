@@ -1,0 +1,194 @@
+"""``SessionBranches``: ``fork``, ``snapshot`` and ``restore`` of an executor's sessions.
+
+The processes are forked by :mod:`kernelexec._branching`; this module is the session side:
+the budget (children count against ``max_kernels``, checked before anything is forked), making
+each new kernel ready (the kernel-side helper, inherited, is installed again around the new
+kernel), the children's sessions (made by the executor), the working directory's files, and
+putting a restored kernel in place of a session's kernel.
+
+Every method runs with the session held (its lease's lock), so a fork waits for the session's
+running call and never copies a kernel in the middle of one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path, PurePath
+from typing import TYPE_CHECKING
+
+from kernelexec._branching._family import AsyncSnapshot, Brancher
+from kernelexec._core._budget import KernelBudget
+from kernelexec._core._startup import make_ready, shutdown_fully
+from kernelexec._exceptions import PoolExhaustedError
+from kernelexec._protocol import _kernel_side as kernel_side
+from kernelexec._protocol._host import ExecuteRequest
+from kernelexec._tempdirs import make_owned_dir
+from kernelexec.backends._base import KernelConnection
+
+if TYPE_CHECKING:
+    from kernelexec._core._session import AsyncSession
+
+Adopt = Callable[["AsyncSession", KernelConnection], Awaitable["AsyncSession"]]
+"""Makes the child session of a parent session around a forked kernel (the executor's)."""
+
+
+class SessionBranches:
+    """Forks, snapshots and restores the sessions of one executor (module docstring).
+
+    Args:
+        brancher: Forks the processes.
+        budget: The executor's kernel budget.
+        bootstrap: The request that installs the kernel side in a fresh kernel.
+        timeout: Seconds a new kernel has to become ready.
+        backend: The backend's name (for errors).
+        adopt: Makes a child session around a forked kernel.
+    """
+
+    def __init__(
+        self,
+        brancher: Brancher,
+        budget: KernelBudget,
+        bootstrap: ExecuteRequest,
+        timeout: float,
+        backend: str,
+        adopt: Adopt,
+    ) -> None:
+        self.brancher = brancher
+        self._budget = budget
+        # A fork inherits the helper's code: running its install() again around the new
+        # kernel is enough (the source is not compiled again).
+        self._reinstall = dataclasses.replace(
+            bootstrap, code=f"__import__({kernel_side.MODULE_NAME!r}).install()"
+        )
+        self._timeout = timeout
+        self._backend = backend
+        self._adopt = adopt
+
+    async def fork(self, session: AsyncSession, n: int) -> list[AsyncSession]:
+        """``n`` children of ``session`` (held by the caller); see :meth:`AsyncSession.fork`."""
+        if isinstance(n, bool) or not isinstance(n, int):
+            raise TypeError(f"n must be an int, not {type(n).__name__}")
+        if n < 1:
+            raise ValueError(f"n must be at least 1, not {n}")
+        self.brancher.check(None, session.isolation.level, self._backend)
+        conn = await self._kernel(session)
+        self.brancher.check(conn, session.isolation.level, self._backend)
+        reserved = 0
+        try:
+            for _ in range(n):
+                if not self._budget.try_reserve():
+                    raise PoolExhaustedError(
+                        f"forking {n} children of {session.agent_id!r} would exceed "
+                        f"max_kernels={self._budget.max_kernels} ({self._budget.count - reserved} "
+                        "kernels live); nothing was forked"
+                    )
+                reserved += 1
+            children = await self._branches(conn, session.agent_id, n)
+        except BaseException:
+            for _ in range(reserved):
+                self._budget.release()
+            raise
+        inherited = session.setup_current  # the children are forks of a set-up kernel
+        made: list[AsyncSession] = []
+        for child in children:
+            made.append(await self._adopt(session, child))
+            if inherited:
+                made[-1].setup_inherited()
+        return made
+
+    async def snapshot(self, session: AsyncSession) -> AsyncSnapshot:
+        """A frozen copy of ``session`` (held by the caller); see
+        :meth:`AsyncSession.snapshot`."""
+        self.brancher.check(None, session.isolation.level, self._backend)
+        conn = await self._kernel(session)
+        self.brancher.check(conn, session.isolation.level, self._backend)
+        template = await self.brancher.snapshot(conn, session.agent_id)
+        snap = AsyncSnapshot(self.brancher, template, session.agent_id, session.lease.names)
+        snap.setup_ran = session.setup_current
+        if isinstance(session.workdir, Path):
+            files = make_owned_dir("kx-")
+            template.extra_dirs.append(files)
+            await asyncio.to_thread(_copy_tree, session.workdir, Path(files, "w"))
+            snap.files = os.path.join(files, "w")
+        return snap
+
+    async def restore(self, session: AsyncSession, snap: AsyncSnapshot) -> None:
+        """Put ``session`` (held by the caller) back to ``snap``; see
+        :meth:`AsyncSession.restore`."""
+        if not isinstance(snap, AsyncSnapshot):
+            raise TypeError(f"snap must be a kernelexec.AsyncSnapshot, not {type(snap).__name__}")
+        if snap.agent_id != session.agent_id:
+            raise ValueError(
+                f"the snapshot was taken of session {snap.agent_id!r}, not {session.agent_id!r}"
+            )
+        self.brancher.check(session.lease.connection, session.isolation.level, self._backend)
+        reserved = not session.lease.has_kernel
+        if reserved:
+            await self._budget.reserve()
+        try:
+            conn = (await self._branches_of(snap, session.agent_id, 1))[0]
+        except BaseException:
+            if reserved:
+                self._budget.release()
+            raise
+        if snap.files is not None and isinstance(session.workdir, Path):
+            await asyncio.to_thread(_replace_tree, Path(snap.files), session.workdir)
+        await session.lease.swap(conn, snap.names)
+        if snap.setup_ran:
+            session.setup_inherited()  # restored exactly: setup_code is not run over it
+
+    # -- internals ---------------------------------------------------------------------------
+
+    async def _kernel(self, session: AsyncSession) -> KernelConnection:
+        """The session's kernel, started if it has none (lost names still reported later)."""
+        conn, lost = await session.lease.attach()
+        session.lease.carry_lost(lost or [])
+        return conn
+
+    async def _branches(
+        self, conn: KernelConnection, origin: str, n: int
+    ) -> list[KernelConnection]:
+        template = await self.brancher.snapshot(conn, origin)
+        snap = AsyncSnapshot(self.brancher, template, origin, ())
+        try:
+            return await self._branches_of(snap, origin, n)
+        finally:
+            await snap.aclose()  # kept while its children live
+
+    async def _ready(self, conn: KernelConnection) -> None:
+        await make_ready(conn, self._reinstall, self._timeout)
+        await self.brancher.seal(conn)
+
+    async def _branches_of(
+        self, snap: AsyncSnapshot, origin: str, n: int
+    ) -> list[KernelConnection]:
+        """``n`` ready kernels forked from ``snap`` (none on failure)."""
+        made: list[KernelConnection] = []
+        try:
+            for _ in range(n):
+                made.append(await self.brancher.branch(snap.template, origin))
+            await asyncio.gather(*(self._ready(c) for c in made))
+        except BaseException:
+            for conn in made:
+                if not await self.brancher.released(conn):
+                    await shutdown_fully(conn)
+            raise
+        return made
+
+
+def _copy_tree(source: PurePath, target: PurePath) -> None:
+    shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
+
+
+def _replace_tree(source: Path, target: Path) -> None:
+    """Make ``target``'s content a copy of ``source``'s (a restore's working directory)."""
+    for entry in list(target.iterdir()):
+        if entry.is_dir() and not entry.is_symlink():
+            shutil.rmtree(entry, ignore_errors=True)
+        else:
+            entry.unlink(missing_ok=True)
+    _copy_tree(source, target)

@@ -1,0 +1,1 @@
+"""Files in and out of a session, through its kernel (``session.files``)."""
