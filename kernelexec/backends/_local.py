@@ -286,6 +286,7 @@ class KernelTenant:
     workdir: str | None
     uid: int | None
     kdir: str
+    budget: _cgroups.BudgetGroup | None = None
 
 
 class LocalConnection(KernelConnection):
@@ -304,6 +305,7 @@ class LocalConnection(KernelConnection):
         self._python = python
         self._budget = budget
         self._in_budget = False
+        self._owns_uid = False  # a branch runs as its family's uid: the first kernel's
         self._forks = forks
         self._forked: ForkedProcess | None = None
         self.launched_by = ""
@@ -340,19 +342,14 @@ class LocalConnection(KernelConnection):
         if plan is not None:
             if plan.own_user:
                 self._uid = await asyncio.to_thread(_uids.allocate)
+                self._owns_uid = True
                 _users.hand_over(kdir, self._uid)
                 if self._workdir:
                     _users.allow_search(self._workdir)
             env["HOME"] = kdir
             env.update(plan.extra_env)
             if plan.use_cgroup:
-                try:
-                    if self._budget is not None:
-                        self._budget.enter()
-                        self._in_budget = True
-                    self._cgroup = _cgroups.KernelCgroup.create(plan.cgroup_limits, self._budget)
-                except OSError as exc:
-                    raise KernelStartError(f"could not set up the kernel's cgroup: {exc}") from exc
+                self._new_cgroup(plan, "kernel")
         own_user = plan is not None and plan.own_user
         env["PATH"] = _users.kernel_path(self._python, env.get("PATH"), own_user=own_user)
         env["IPYTHONDIR"] = os.path.join(kdir, "ipython")
@@ -496,6 +493,20 @@ class LocalConnection(KernelConnection):
             no_userns=plan.no_userns,
         )
 
+    def _new_cgroup(self, plan: SandboxPlan, what: str) -> None:
+        """Make the kernel's cgroup (its memory group in the executor's budget).
+
+        Raises:
+            KernelStartError: the group could not be made.
+        """
+        try:
+            if self._budget is not None and not self._in_budget:
+                self._budget.enter()
+                self._in_budget = True
+            self._cgroup = _cgroups.KernelCgroup.create(plan.cgroup_limits, self._budget)
+        except OSError as exc:
+            raise KernelStartError(f"could not set up the {what}'s cgroup: {exc}") from exc
+
     def diagnostics(self, limit: int = 2000) -> str:
         return stderr_tail(self._stderr, "kernel stderr", limit)
 
@@ -509,6 +520,7 @@ class LocalConnection(KernelConnection):
             self._workdir,
             self._uid,
             self._dir,
+            self._budget,
         )
 
     def connection_info(self) -> dict[str, Any] | None:
@@ -777,6 +789,7 @@ class LocalConnection(KernelConnection):
             self._in_budget = False
             self._budget.leave()
         uid, self._uid = self._uid, None
+        owned, self._owns_uid = self._owns_uid, False
         entered, self._entered = self._entered, set()
         if uid is not None:
             for path in entered:
@@ -784,7 +797,7 @@ class LocalConnection(KernelConnection):
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
             self._dir = ""
-        if uid is not None:
+        if uid is not None and owned:
             # Only now: the uid's processes are gone and its files handed back or removed.
             shared = self._plan is None or not self._plan.scratch_mb
             await asyncio.to_thread(_uids.release, uid, shared)
