@@ -53,7 +53,10 @@ class ExecutorConfig(BaseModel):
         idle_timeout: Seconds after which an idle session's kernel is shut down (None: never).
         max_output_chars: Characters of stdout+stderr kept per run; the rest is dropped with a
             marker.
-        max_result_chars: Largest tool return value, in characters of JSON.
+        max_result_chars: Largest tool return value, in characters of JSON (also the largest
+            answer of a host function to kernel code).
+        max_host_calls: Calls one run's code may make to host functions (code mode); later
+            calls get ``HostCallLimitExceeded``.
         workdir: Directory under which each session gets its working directory (default: a
             private temporary directory removed on close).
         record: Record every run of every session as a notebook cell (``Session.notebook``).
@@ -85,6 +88,17 @@ class ExecutorConfig(BaseModel):
             the kernel without IPython's execute machinery (about twice as fast); False, or
             ``KERNELEXEC_FAST_CALLS=0`` in the environment, sends them as execute requests.
             Kernels that cannot serve them (another ipykernel) get execute requests anyway.
+        state_dir: Make sessions durable: a session whose kernel is taken away (``max_kernels``,
+            ``idle_timeout``, close) is hibernated here first and restored into a fresh kernel
+            on its next call; a new executor on the same directory resumes each agent by its
+            id. Private to this user (0700); one executor at a time. Loading a checkpoint runs
+            code (as unpickling does): never share it with untrusted writers. See
+            ``docs/durable.md``.
+        checkpoint: When a durable session saves: ``"on_evict"`` (when its kernel goes) or
+            ``"after_call"`` (also after every call that changed something, so a killed host
+            keeps every completed call's state).
+        max_checkpoint_bytes: Largest checkpoint of one session (its working directory's files
+            included).
         setup_code: Code run in every session's fresh kernel (at its start and after every
             restart, crash or eviction) before the session's next call, so helpers and tools
             it defines are always there; a failure is the call's result
@@ -104,6 +118,7 @@ class ExecutorConfig(BaseModel):
     idle_timeout: float | None = Field(None, gt=0)
     max_output_chars: int = Field(1_000_000, ge=100)
     max_result_chars: int = Field(10_000_000, ge=100)
+    max_host_calls: int = Field(1000, ge=1)
     workdir: Path | None = None
     record: bool = False
     env: Env = Field(default_factory=LocalEnv)
@@ -116,6 +131,9 @@ class ExecutorConfig(BaseModel):
     network: bool | None = None
     attachable: bool = False
     fast_calls: bool = True
+    state_dir: Path | None = None
+    checkpoint: Literal["on_evict", "after_call"] = "on_evict"
+    max_checkpoint_bytes: int = Field(8 << 30, ge=1)
     setup_code: str | None = None
 
     @field_validator(
@@ -137,7 +155,7 @@ class ExecutorConfig(BaseModel):
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
 
-    @field_validator("workdir", "record_dir", "cache_dir")
+    @field_validator("workdir", "record_dir", "cache_dir", "state_dir")
     @classmethod
     def _expand_user(cls, value: Path | None) -> Path | None:
         return value.expanduser() if value is not None else None

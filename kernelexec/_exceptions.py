@@ -6,7 +6,8 @@ mean misuse of the API or a broken environment::
     KernelExecError
     ├── ConfigError (ValueError)              bad executor or tool configuration
     │   ├── ToolDefinitionError               a Tool could not be built from what was given
-    │   └── NotebookError                     a notebook could not be read or used
+    │   ├── NotebookError                     a notebook could not be read or used
+    │   └── HostLimitError                    this host's limits cannot hold max_kernels
     ├── ExecutorClosedError (RuntimeError)    use after close
     ├── PoolExhaustedError (RuntimeError)     every kernel busy and max_kernels reached
     ├── KernelStartError (RuntimeError)       a kernel did not start or become ready
@@ -14,6 +15,8 @@ mean misuse of the API or a broken environment::
     ├── BackgroundTaskError (RuntimeError)    background work failed (raised at close)
     ├── BranchError (RuntimeError)            a fork, snapshot or restore failed
     ├── BranchingNotSupportedError (NotImplementedError)  this backend or level cannot fork
+    ├── StateError (RuntimeError)             a session's state could not be saved or restored
+    │   └── CheckpointTooLargeError           ... it passes max_checkpoint_bytes
     ├── SetupCodeError (RuntimeError)         a session's setup_code failed (raised by hand)
     ├── PathRefusedError (ValueError)         a session file path leaves its working directory
     ├── FileTransferError (RuntimeError)      a file operation could not be carried out
@@ -54,6 +57,12 @@ class NotebookError(ConfigError):
     """A notebook could not be read, is not valid, or lacks what was asked of it."""
 
 
+class HostLimitError(ConfigError):
+    """The host cannot hold ``max_kernels`` kernels: a limit the process may not raise (the
+    hard ``RLIMIT_NOFILE``) is too low. The message says how many are needed, how many the
+    limit allows and what to change."""
+
+
 class ExecutorClosedError(KernelExecError, RuntimeError):
     """The executor or session was used after it was closed."""
 
@@ -89,6 +98,14 @@ class BranchError(KernelExecError, RuntimeError):
 class BranchingNotSupportedError(KernelExecError, NotImplementedError):
     """Sessions of this backend or isolation level cannot be forked or snapshotted; the
     message names the level."""
+
+
+class StateError(KernelExecError, RuntimeError):
+    """A session's state could not be saved to (or restored from) its ``state_dir``."""
+
+
+class CheckpointTooLargeError(StateError):
+    """A checkpoint would pass ``max_checkpoint_bytes``; the message names the biggest names."""
 
 
 class SetupCodeError(KernelExecError, RuntimeError):

@@ -149,6 +149,121 @@ class ExecError(BaseModel):
     traceback: list[str] = Field(default_factory=list)
 
 
+HostCallOutcome = Literal["ok", "error", "timeout", "invalid_args", "refused", "cancelled"]
+
+
+class HostCallContext(BaseModel):
+    """What a host function learns about the call when it has a ``context`` parameter.
+
+    Attributes:
+        agent_id: The session's agent id.
+        module: The module kernel code imported the function from (``"tools"``).
+        function: The function's name.
+        call_id: The call's id, unique within its run.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    agent_id: str
+    module: str
+    function: str
+    call_id: str
+
+
+class HostCall(BaseModel):
+    """One call from kernel code to a host function, as the host saw it.
+
+    Attributes:
+        module: The module the function was exposed as.
+        name: The function's name.
+        arguments: The arguments kernel code passed (JSON).
+        duration_s: Seconds from the call's arrival on the host to its answer.
+        outcome: ``"ok"``, ``"error"`` (the function raised), ``"timeout"`` (its own timeout),
+            ``"invalid_args"``, ``"refused"`` (not exposed, or over the run's call limit) or
+            ``"cancelled"`` (the run was interrupted or ended first).
+        result: The return value (JSON) when the outcome is ``"ok"``.
+        error: The message kernel code got otherwise (the host exception's class and message).
+    """
+
+    model_config = ConfigDict(extra="ignore")
+
+    module: str
+    name: str
+    arguments: Any = None
+    duration_s: float = 0.0
+    outcome: HostCallOutcome
+    result: Any = None
+    error: str | None = None
+
+
+class Restored(BaseModel):
+    """What a restore brought back into a fresh kernel (``Execution.restored``).
+
+    Attributes:
+        names: The user's names that came back, sorted.
+        bytes: Size of the checkpoint that was read.
+        seconds: Time the restore took (reading, loading, replaying).
+        saved_at: When the checkpoint was written (ISO 8601, UTC).
+        not_restored: Each name that did not come back, with why (also in
+            ``lost_variables``).
+        replayed: Names rebuilt by running the recorded cells that made them again.
+        problems: What was wrong with the checkpoint (damaged, missing files): nothing of
+            what it says was loaded as a wrong value.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    names: list[str] = Field(default_factory=list)
+    bytes: int = 0
+    seconds: float = 0.0
+    saved_at: str | None = None
+    not_restored: dict[str, str] = Field(default_factory=dict)
+    replayed: list[str] = Field(default_factory=list)
+    problems: list[str] = Field(default_factory=list)
+
+
+class Hibernation(BaseModel):
+    """What :meth:`~kernelexec.AsyncSession.hibernate` saved.
+
+    Attributes:
+        saved: The user's names saved, sorted.
+        not_saved: Each name that could not be saved, with why (it will be reported lost).
+        bytes: Size of the checkpoint on disk.
+        seconds: Time the save took.
+        written_bytes: Bytes written by this save (unchanged records are not written again).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    saved: list[str] = Field(default_factory=list)
+    not_saved: dict[str, str] = Field(default_factory=dict)
+    bytes: int = 0
+    seconds: float = 0.0
+    written_bytes: int = 0
+
+
+class HibernatedAgent(BaseModel):
+    """One agent's saved state in a ``state_dir`` (``kernelexec sessions --state-dir``).
+
+    Attributes:
+        agent_id: The agent.
+        env: The environment fingerprint, when not the executor's default environment.
+        names: The saved names.
+        bytes: Size on disk.
+        saved_at: When it was saved (ISO 8601, UTC).
+        age_s: Seconds since then.
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    agent_id: str
+    env: str = ""
+    names: list[str] = Field(default_factory=list)
+    bytes: int = 0
+    saved_at: str | None = None
+    age_s: float = 0.0
+
+
 class Execution(BaseModel):
     """The outcome of running code in a kernel.
 
@@ -172,6 +287,11 @@ class Execution(BaseModel):
             complete in memory and the next save writes it whole.
         widgets_dropped: How many ipywidgets the code displayed. No frontend renders them
             here, so ``outputs`` holds only their text fallback.
+        host_calls: The calls kernel code made to host functions during the run (code mode,
+            see ``AsyncSession.expose``), in the order they finished.
+        restored: Set on the first result after the session's state was restored from its
+            ``state_dir`` into a fresh kernel: what came back (names that did not are in
+            ``lost_variables``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -189,6 +309,8 @@ class Execution(BaseModel):
     lost_outputs: int = 0
     recording_error: str | None = None
     widgets_dropped: int = 0
+    host_calls: list[HostCall] = Field(default_factory=list)
+    restored: Restored | None = None
 
     @property
     def ok(self) -> bool:

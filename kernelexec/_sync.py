@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from kernelexec._branching._family import AsyncSnapshot
+from kernelexec._codemode._exposure import HostFunctions
 from kernelexec._core._executor import DEFAULT_AGENT, AsyncKernelExecutor
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._session import AsyncSession
@@ -26,7 +27,7 @@ from kernelexec._core._state import Lifecycle
 from kernelexec._envs._builder import ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._files._blocking import SessionCommands, SessionFiles
-from kernelexec._models import Execution, Isolation, ToolResult
+from kernelexec._models import Execution, Hibernation, Isolation, ToolResult
 from kernelexec._notebooks._replay import ReplayReport, areplay
 from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend
@@ -147,6 +148,11 @@ class Session:
         """The file the recording is saved to after every run (a ``Path``), or None."""
         return self._inner.record_path
 
+    def expose(self, *functions: Any, module: str = "tools", timeout: float | None = None) -> None:
+        """Make host functions importable by the session's code; see
+        :meth:`AsyncSession.expose`."""
+        self._portal.call(self._inner.expose, *functions, module=module, timeout=timeout)
+
     def run_code(
         self,
         code: str,
@@ -156,6 +162,7 @@ class Session:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: HostFunctions | None = None,
     ) -> Execution:
         """Run code in the session's kernel; see :meth:`AsyncSession.run_code`."""
         return self._portal.call(
@@ -166,6 +173,7 @@ class Session:
             on_stdout=on_stdout,
             on_stderr=on_stderr,
             on_display=on_display,
+            host_functions=host_functions,
         )
 
     def call_tool(
@@ -179,6 +187,7 @@ class Session:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: HostFunctions | None = None,
     ) -> ToolResult:
         """Call a tool; see :meth:`AsyncSession.call_tool`."""
         return self._portal.call(
@@ -191,6 +200,7 @@ class Session:
             on_stdout=on_stdout,
             on_stderr=on_stderr,
             on_display=on_display,
+            host_functions=host_functions,
         )
 
     def variables(self) -> dict[str, dict[str, str]]:
@@ -204,6 +214,10 @@ class Session:
     def restart(self) -> None:
         """Replace the kernel with a fresh one; see :meth:`AsyncSession.restart`."""
         self._portal.call(self._inner.restart)
+
+    def hibernate(self) -> Hibernation:
+        """Save the state and give the kernel back; see :meth:`AsyncSession.hibernate`."""
+        return self._portal.call(self._inner.hibernate)
 
     def fork(self, n: int = 1) -> list[Session]:
         """Branch the live session into ``n`` children; see :meth:`AsyncSession.fork`."""
@@ -284,6 +298,10 @@ class KernelExecutor:
         """The environment a call runs in; see :meth:`AsyncKernelExecutor.env_for`."""
         return self._async.env_for(tool, env)
 
+    def delete_state(self, agent_id: str, env: LocalEnv | VenvEnv | None = None) -> bool:
+        """Delete an agent's saved state; see :meth:`AsyncKernelExecutor.delete_state`."""
+        return self._portal.call(self._async.delete_state, agent_id, env)
+
     def warm_up(self, env: LocalEnv | VenvEnv | None = None) -> None:
         """Build ``env`` if needed and wait for its prewarmed kernels; see
         :meth:`AsyncKernelExecutor.warm_up`."""
@@ -322,6 +340,7 @@ class KernelExecutor:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: HostFunctions | None = None,
     ) -> ToolResult:
         """Call a tool; see :meth:`AsyncKernelExecutor.call_tool`."""
         return self._portal.call(
@@ -336,6 +355,7 @@ class KernelExecutor:
             on_stdout=on_stdout,
             on_stderr=on_stderr,
             on_display=on_display,
+            host_functions=host_functions,
         )
 
     def run_code(
@@ -349,6 +369,7 @@ class KernelExecutor:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: HostFunctions | None = None,
     ) -> Execution:
         """Run code; see :meth:`AsyncKernelExecutor.run_code`."""
         return self._portal.call(
@@ -361,6 +382,7 @@ class KernelExecutor:
             on_stdout=on_stdout,
             on_stderr=on_stderr,
             on_display=on_display,
+            host_functions=host_functions,
         )
 
     def close(self) -> None:

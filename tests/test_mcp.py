@@ -40,8 +40,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
 from kernelexec._cli._main import main
-from tests.conftest import FORK_SERVER
-from tests.procs import children
+from tests.procs import children, of_kind
 
 pytestmark = pytest.mark.anyio
 
@@ -99,10 +98,10 @@ def kernels_of(pid: int) -> set[int]:
     """Pids of kernel processes (or their launchers) whose parent is ``pid``, or a fork server
     of ``pid`` (forked kernels carry the server's command line)."""
     found = set()
-    for child in children(pid, b"ipykernel"):
-        if child in children(pid, FORK_SERVER.encode()):
-            found |= {k.pid for k in psutil.Process(child).children() if _running(k)}
-        elif _running(psutil.Process(child)):
+    for server in of_kind(pid, "fork server"):
+        found |= {k.pid for k in psutil.Process(server).children() if _running(k)}
+    for child in of_kind(pid, "launcher") | of_kind(pid, "kernel"):
+        if _running(psutil.Process(child)):
             found.add(child)
     return found
 
@@ -124,8 +123,9 @@ def wait_exited(pids: set[int], timeout: float = 15.0) -> set[int]:
         except ProcessLookupError:
             continue
         try:
-            ready, _, _ = select.select([fd], [], [], timeout)
-            if not ready:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            if not poller.poll(timeout * 1000):
                 alive.add(pid)
         finally:
             os.close(fd)

@@ -147,7 +147,9 @@ def test_a_kernel_death_is_an_error_span_a_restart_span_and_counted(otel: Otel) 
     assert code.attributes["kernelexec.kernel_restarted"] is True
     assert code.status.status_code == StatusCode.ERROR
     assert otel.finished("kernelexec.kernel.restart")
-    assert restarts() == before + 1
+    # At least this one (the counter is process-wide: another test's executor may still be
+    # replacing a kernel of its own in the background while this one runs).
+    assert restarts() >= before + 1
 
 
 def test_metrics_count_calls_by_status_time_them_and_gauge_kernels_by_state(otel: Otel) -> None:
@@ -300,3 +302,17 @@ def test_fork_snapshot_and_restore_are_spans(otel: Otel) -> None:
         (span,) = otel.finished(name)
         assert span.parent is not None and span.parent.span_id == outer.context.span_id
         assert span.attributes is not None and span.attributes["kernelexec.agent_id"] == "brancher"
+
+
+def test_hibernate_and_restore_of_durable_state_are_spans(otel: Otel, tmp_path: Path) -> None:
+    with kx.KernelExecutor(isolation="none", state_dir=tmp_path / "state") as ex:
+        session = ex.session("sleeper")
+        session.run_code("x = 41")
+        session.hibernate()
+        woken = session.run_code("x + 1")
+        assert woken.result == "42" and woken.restored is not None
+    saves = otel.finished("kernelexec.state.save")  # hibernate(), then the close's own save
+    (restore,) = otel.finished("kernelexec.state.restore")
+    assert saves
+    for span in (*saves, restore):
+        assert span.attributes is not None and span.attributes["kernelexec.agent_id"] == "sleeper"

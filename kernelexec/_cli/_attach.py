@@ -24,6 +24,18 @@ def add_parsers(sub: Any) -> None:
         "sessions", help="list the live sessions of attachable executors on this machine"
     )
     sessions.add_argument("--json", action="store_true", help="print them as JSON only")
+    sessions.add_argument(
+        "--state-dir",
+        default=None,
+        metavar="DIR",
+        help="list the hibernated agents of a state_dir instead (size and age)",
+    )
+    sessions.add_argument(
+        "--delete",
+        default=None,
+        metavar="AGENT_ID",
+        help="with --state-dir: delete that agent's saved state",
+    )
     attach = sub.add_parser("attach", help="open a console on a live agent's kernel")
     attach.add_argument("agent_id", metavar="AGENT_ID")
     attach.add_argument(
@@ -35,7 +47,14 @@ def add_parsers(sub: Any) -> None:
 
 
 def cmd_sessions(ns: argparse.Namespace) -> int:
-    """Print the live sessions, as a table or JSON."""
+    """Print the live sessions (or a state_dir's hibernated agents), as a table or JSON."""
+    if ns.delete is not None and ns.state_dir is None:
+        print("kernelexec: --delete needs --state-dir DIR", file=sys.stderr)
+        return EXIT_USAGE
+    if ns.state_dir is not None:
+        from kernelexec._cli._state import cmd_state_sessions
+
+        return cmd_state_sessions(ns)
     from kernelexec._core._attach import live_sessions
 
     found = [_public(e) for e in live_sessions()]

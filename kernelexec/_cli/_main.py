@@ -207,6 +207,13 @@ def _parser() -> argparse.ArgumentParser:
         help="run the kernels in a venv with this requirement (repeatable)",
     )
     mcp.add_argument("--timeout", type=float, default=None, help="default seconds per run")
+    mcp.add_argument(
+        "--upstream",
+        metavar="NAME=COMMAND",
+        action="append",
+        default=[],
+        help="another MCP server (stdio command) whose tools code calls as tools.NAME.<tool>",
+    )
 
     demo = sub.add_parser("demo", help="a scripted stateful agent session")
     demo.add_argument("--calls", type=int, default=200, help="warm calls to time at the end")
@@ -467,6 +474,7 @@ def _cmd_mcp(ns: argparse.Namespace) -> int:
         isolation=ns.isolation,
         requirements=tuple(ns.requirement),
         timeout=ns.timeout,
+        upstream=tuple(ns.upstream),
     )
     serve(options)
     return EXIT_OK

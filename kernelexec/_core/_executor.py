@@ -4,6 +4,7 @@ the kernel budget, the background tasks and the agents' sessions."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import shutil
 import weakref
@@ -12,6 +13,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from kernelexec._branching._family import Brancher
+from kernelexec._codemode._exposure import HostFunctions
 from kernelexec._config import ExecutorConfig, make_config
 from kernelexec._core._attach import SessionRegistration
 from kernelexec._core._budget import KernelBudget
@@ -22,6 +24,9 @@ from kernelexec._core._pool import KernelPool
 from kernelexec._core._session import AsyncSession
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
+from kernelexec._durable._keeper import Replayer, Runner, SessionState
+from kernelexec._durable._rebuild import replay
+from kernelexec._durable._store import StateStore
 from kernelexec._envs._builder import EnvBuilder, ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError
@@ -36,6 +41,8 @@ from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLaunch
 from kernelexec.backends._local import LocalBackend
 from kernelexec.backends._registry import get_backend
+
+log = logging.getLogger("kernelexec")
 
 DEFAULT_AGENT = "default"
 _MAX_REMEMBERED_LOSSES = 1_024
@@ -70,6 +77,8 @@ class AsyncKernelExecutor:
     Raises:
         ConfigError: a configuration value is invalid, or the backend cannot run the
             configured environment (the message names it).
+        HostLimitError: the host cannot hold ``max_kernels`` kernels (the hard limit on open
+            files is too low; the message says what to change).
     """
 
     def __init__(
@@ -113,6 +122,15 @@ class AsyncKernelExecutor:
             self.config.max_output_chars, fast_calls=self.config.fast_calls
         )
         self._own_workdir = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._store: StateStore | None = None
+        if self.config.state_dir is not None:
+            if not self.backend.host_filesystem:
+                raise ConfigError(
+                    f"state_dir: the {self.backend.name!r} backend does not support durable "
+                    "sessions yet (its kernels do not see this host's filesystem)"
+                )
+            self._store = StateStore(self.config.state_dir)
         self._brancher = Brancher(self.config.start_timeout)
         self._branches = SessionBranches(
             self._brancher,
@@ -124,6 +142,8 @@ class AsyncKernelExecutor:
         )
         self._env_of: dict[str, Env] = {}  # fingerprint -> environment (for children)
         self._branch_counts: dict[str, int] = {}  # agent id -> children forked so far
+        # Room for max_kernels first: when the host cannot hold them, nothing is held yet.
+        self.backend.reserve(self.config.max_kernels)
         self.backend.hold()
 
     def _confinement(self) -> BuildConfinement:
@@ -132,6 +152,12 @@ class AsyncKernelExecutor:
         level = cfg.isolation or self.backend.default_isolation
         network = cfg.network if cfg.network is not None else level != "bwrap"
         return BuildConfinement(level=level, network=network)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the executor runs on (None until started); code on other threads
+        hands it calls with ``asyncio.run_coroutine_threadsafe``."""
+        return self._loop
 
     @property
     def env(self) -> Env:
@@ -219,6 +245,9 @@ class AsyncKernelExecutor:
                 os.makedirs(cfg.record_dir, exist_ok=True)
             except OSError as exc:
                 raise ConfigError(f"record_dir {cfg.record_dir}: {exc.strerror}") from None
+        self._loop = asyncio.get_running_loop()
+        if self._store is not None:
+            self._store.open()
         await self._supervisor.start()
         self._budget.open()
         self._state.open()
@@ -370,6 +399,19 @@ class AsyncKernelExecutor:
             registration = SessionRegistration(agent_id, fingerprint, self.backend.name)
         lease = KernelLease(agent_id, lambda: self._pool_for(env), str(workdir), registration)
         lease.carry_lost(self._lost_by_agent.pop(key, []))
+        if self._store is not None:
+            assert isinstance(workdir, Path)
+            lease.keeper = SessionState(
+                self._store,
+                agent_id,
+                "" if env == self.env else fingerprint,
+                workdir,
+                checkpoint=cfg.checkpoint,
+                limit=cfg.max_checkpoint_bytes,
+                same_user=self.isolation_of(env).level == "none",
+            )
+            if recorder is not None:
+                lease.keeper.replayer = _replayer(recorder)
         lease.on_evicted = lambda: self._park(key)
         lease.on_attached = lambda: self._unpark(key, lease)
         self._budget.register(lease)
@@ -383,6 +425,7 @@ class AsyncKernelExecutor:
             output_grace=cfg.output_grace,
             max_output_chars=cfg.max_output_chars,
             max_result_chars=cfg.max_result_chars,
+            max_host_calls=cfg.max_host_calls,
             recorder=recorder,
             isolation=self.isolation_of(env),
             backend=self.backend.name,
@@ -508,6 +551,7 @@ class AsyncKernelExecutor:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: HostFunctions | None = None,
     ) -> ToolResult:
         """Call a tool in the session of ``agent_id``; see :meth:`AsyncSession.call_tool`.
 
@@ -526,6 +570,7 @@ class AsyncKernelExecutor:
             on_stdout=on_stdout,
             on_stderr=on_stderr,
             on_display=on_display,
+            host_functions=host_functions,
         )
 
     async def run_code(
@@ -539,6 +584,7 @@ class AsyncKernelExecutor:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: HostFunctions | None = None,
     ) -> Execution:
         """Run code in the session of ``agent_id`` (in ``env``, default: the executor's);
         see :meth:`AsyncSession.run_code`."""
@@ -550,6 +596,7 @@ class AsyncKernelExecutor:
             on_stdout=on_stdout,
             on_stderr=on_stderr,
             on_display=on_display,
+            host_functions=host_functions,
         )
 
     async def aclose(self) -> None:
@@ -562,6 +609,8 @@ class AsyncKernelExecutor:
         if not self._state.close():
             return
         sessions = [*self._sessions.values(), *self._parked.values()]
+        if self._store is not None:
+            await asyncio.shield(self._hibernate_all(sessions))
         self._sessions.clear()
         self._parked.clear()
         for session in sessions:
@@ -574,8 +623,61 @@ class AsyncKernelExecutor:
             await asyncio.shield(asyncio.gather(*(p.aclose() for p in pools)))
             await asyncio.shield(self._brancher.aclose())
             await asyncio.shield(self.backend.release())
+            if self._store is not None:
+                self._store.close()
             if self._own_workdir and isinstance(self._workdir, Path):
                 shutil.rmtree(self._workdir, ignore_errors=True)
+
+    async def _hibernate_all(self, sessions: list[AsyncSession]) -> None:
+        """Save every session that has a kernel before the kernels go; a session busy now
+        cannot be saved: its names are reported lost on resume (with ``after_call``, its last
+        completed call's checkpoint stays)."""
+
+        async def one(session: AsyncSession) -> None:
+            lease = session.lease
+            keeper = lease.keeper
+            if keeper is None or not lease.has_kernel:
+                return
+            if not lease.busy:
+                await lease.evict()
+            elif keeper.checkpoint == "on_evict":
+                await keeper.tombstone(
+                    list(lease.names), "the session was busy when its executor closed"
+                )
+
+        results = await asyncio.gather(*(one(s) for s in sessions), return_exceptions=True)
+        for session, result in zip(sessions, results, strict=True):
+            if isinstance(result, Exception):
+                log.warning("agent %r: not hibernated at close: %s", session.agent_id, result)
+
+    async def delete_state(self, agent_id: str, env: Env | None = None) -> bool:
+        """Delete the saved state of ``agent_id`` (in ``env``, default: the executor's) from
+        the ``state_dir``; whether there was any. A live session keeps its kernel's state.
+
+        Raises:
+            ConfigError: the executor has no ``state_dir``.
+        """
+        if self._store is None:
+            raise ConfigError("delete_state() needs an executor with a state_dir")
+        env = env or self.env
+        fingerprint = self.fingerprint_of(env)
+        key = "" if env == self.env else fingerprint
+        session = self._sessions.get((agent_id, fingerprint)) or self._parked.get(
+            (agent_id, fingerprint)
+        )
+        if session is not None and session.lease.keeper is not None:
+            session.lease.keeper.deleted()
+        return await asyncio.to_thread(self._store.delete, agent_id, key)
+
+
+def _replayer(recorder: SessionRecorder) -> Replayer:
+    """Rebuilds names from the cells ``recorder`` holds."""
+
+    async def rebuild(names: list[str], run: Runner) -> list[str]:
+        cells = recorder.notebook.cells
+        return await replay((c.source for c in cells if c.cell_type == "code"), names, run)
+
+    return rebuild
 
 
 def _resolve_backend(

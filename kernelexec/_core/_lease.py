@@ -16,6 +16,12 @@ from contextlib import asynccontextmanager
 from typing import Any, Protocol
 
 from kernelexec._core._pool import KernelPool
+from kernelexec._core._run import run_internal
+from kernelexec._durable._keeper import SessionState
+from kernelexec._exceptions import ConfigError, StateError
+from kernelexec._models import Hibernation, Restored
+from kernelexec._proctitle import kernel_title
+from kernelexec._protocol._host import ExecuteRequest
 from kernelexec.backends._base import KernelConnection
 
 log = logging.getLogger("kernelexec.kernel")
@@ -68,6 +74,10 @@ class KernelLease:
         """Told when the budget took the kernel back (the executor then forgets the session)."""
         self.on_attached: Callable[[], None] | None = None
         """Told when a kernel is attached (the executor then knows the session again)."""
+        self.keeper: SessionState | None = None
+        """The session's durable state (with a ``state_dir``): saved before the kernel goes,
+        restored into the next one."""
+        self._restored: Restored | None = None
 
     @property
     def busy(self) -> bool:
@@ -99,7 +109,7 @@ class KernelLease:
         lease's kernel, holding ``names``."""
         self._pool = pool
         self._conn = conn
-        await self._attached()
+        await self._attached(branched=True)
         self._names = names
         if self.on_attached is not None:
             self.on_attached()
@@ -110,7 +120,7 @@ class KernelLease:
             self._pool = await self._get_pool()
         old, self._conn = self._conn, conn
         await self._pool.exchange(old, conn)
-        await self._attached()
+        await self._attached(branched=True)
         self._names = names
         if old is None and self.on_attached is not None:
             self.on_attached()
@@ -132,7 +142,9 @@ class KernelLease:
             if self._pool is None:
                 self._pool = await self._get_pool()
             self._conn = await self._pool.acquire()
-            await self._attached()
+            missing = await self._attached()
+            if missing:
+                lost = (lost or []) + missing
             log.info(
                 "agent %r: kernel %d attached (pid %s)",
                 self.agent_id,
@@ -142,6 +154,11 @@ class KernelLease:
             if self.on_attached is not None:
                 self.on_attached()
         return self._conn, lost
+
+    def take_restored(self) -> Restored | None:
+        """What the last restore brought back, once (for the next result)."""
+        restored, self._restored = self._restored, None
+        return restored
 
     def put_back_lost(self, lost: list[str] | None) -> None:
         """Hand back what :meth:`attach` returned, unreported (a file operation attached the
@@ -154,7 +171,8 @@ class KernelLease:
         if not self._fresh:
             return None
         self._fresh = False
-        return {"cwd": self._workdir}
+        isolation = self._pool.launch.isolation if self._pool is not None else "none"
+        return {"cwd": self._workdir, "title": kernel_title(self.agent_id, isolation)}
 
     def update_names(self, names: tuple[str, ...]) -> None:
         """The user's variable names after a run."""
@@ -165,6 +183,8 @@ class KernelLease:
         lost = list(self._names)
         old, self._conn = self._conn, None
         self._names = ()
+        if self.keeper is not None:
+            await self.keeper.invalidate()  # never bring back what the lost kernel had saved
         if old is not None:
             assert self._pool is not None
             try:
@@ -189,18 +209,68 @@ class KernelLease:
         self._lost = (self._lost or []) + await self.replace()
 
     async def evict(self) -> None:
-        """Give the kernel back (idle culling or the budget); the next run starts fresh and
-        reports what was lost."""
+        """Give the kernel back (idle culling, the budget, close); the next run starts fresh
+        and reports what was lost, or (durable) gets the state restored."""
+        async with self._lock:  # a durable save holds the session until the kernel is gone
+            if self._conn is None:
+                return
+            if self.keeper is None:
+                self._lost = (self._lost or []) + list(self._names)
+            else:
+                try:
+                    await self.keeper.save(self._run, self.generation)
+                    self.keeper.kernel_gone()
+                except StateError as exc:
+                    log.warning("agent %r: hibernating failed, state lost: %s", self.agent_id, exc)
+                    self._lost = (self._lost or []) + list(self._names)
+                    await self.keeper.invalidate()
+            await self._give_back()
+
+    async def hibernate(self) -> Hibernation:
+        """Save the state and give the kernel back (the caller holds the lease).
+
+        Raises:
+            ConfigError: the executor has no ``state_dir``.
+            StateError: the state could not be saved (the kernel is kept, the older
+                checkpoint deleted).
+        """
+        if self.keeper is None:
+            raise ConfigError("hibernate() needs an executor with a state_dir")
+        if self._conn is None:
+            return await self.keeper.on_disk()
+        try:
+            saved = await self.keeper.save(self._run, self.generation)
+        except StateError:
+            await self.keeper.invalidate()  # the kernel keeps the state; the disk never lags it
+            raise
+        self.keeper.kernel_gone()
+        await self._give_back()
+        return saved
+
+    async def after_call(self, answer: Any) -> None:
+        """Commit the checkpoint the kernel side made after a call (``after_call``)."""
+        keeper = self.keeper
+        if keeper is not None and keeper.checkpoint == "after_call" and self._conn is not None:
+            await keeper.after_call(answer, self._run, self.generation)
+
+    async def _give_back(self) -> None:
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        self._lost = (self._lost or []) + list(self._names)
         self._names = ()
         self._tell(None)
         assert self._pool is not None
         await self._pool.discard(conn)
         if self.on_evicted is not None:
             self.on_evicted()
+
+    async def _run(self, request: ExecuteRequest, timeout: float) -> dict[str, Any]:
+        conn = self._conn
+        assert conn is not None
+        out = await run_internal(conn, request, timeout)
+        if out.reply is None or out.died or out.timed_out:
+            raise StateError("the kernel died or did not answer in time")
+        return out.reply
 
     def pending_lost(self) -> list[str]:
         """Names lost outside a run and not yet reported."""
@@ -219,13 +289,26 @@ class KernelLease:
         if conn is not None and self._pool is not None:
             await self._pool.discard(conn)
 
-    async def _attached(self) -> None:
+    async def _attached(self, branched: bool = False) -> list[str]:
+        """Set a fresh kernel up; return the names a restore did not bring back. A
+        ``branched`` kernel (a fork, a restored snapshot) holds its state already: nothing is
+        restored into it, and a saved checkpoint of this session is stale."""
         assert self._conn is not None
         await self._conn.enter_workdir(self._workdir)
         self.generation += 1
         self._names = ()
         self._fresh = True
         self._tell(self._conn)
+        if self.keeper is None:
+            return []
+        conn = self._conn
+        restored, missing = await self.keeper.attached(
+            self._run, self.generation, lambda: conn.enter_workdir(self._workdir), branched
+        )
+        if restored is not None:
+            self._restored = restored
+            self._names = tuple(restored.names)
+        return missing
 
     def _tell(self, conn: KernelConnection | None) -> None:
         if self.watcher is not None:

@@ -24,12 +24,22 @@ from __future__ import annotations
 import asyncio
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from kernelexec._aio import finish_shielded
 from kernelexec._core._outputs import CallbackFailed, Callbacks, Collected, OutputCollector
 from kernelexec._protocol._host import FENCE_REPLY, FENCE_REQUEST, ExecuteRequest, output_count
 from kernelexec.backends._base import KernelConnection, KernelDied, KernelMessage
+
+
+class HostCallHandler(Protocol):
+    """Takes a run's calls from kernel code to host functions (code mode's ``HostCalls``)."""
+
+    def take(self, msg: KernelMessage) -> bool:
+        """Handle ``msg`` (a message of the run) if it is a host call; True when it was."""
+
+    def interrupted(self) -> None:
+        """The run is being interrupted: cancel the calls in flight."""
 
 
 @dataclass
@@ -76,6 +86,7 @@ async def run_request(
     callbacks: Callbacks | None = None,
     out: RunOutcome | None = None,
     fence: bool = False,
+    host: HostCallHandler | None = None,
 ) -> RunOutcome:
     """Send ``request`` and collect everything that belongs to it (into ``out`` if given).
 
@@ -83,7 +94,9 @@ async def run_request(
     it and waiting ``interrupt_grace``). Messages for any other request are ignored. When the
     caller cancels, the run is wound down (see :func:`_wind_down`) and the cancellation goes on
     with ``out.cancelled`` set. ``fence``: follow the request with a fence (the kernel side
-    answers them) and end the run on its answer (see the module's docstring).
+    answers them) and end the run on its answer (see the module's docstring). ``host`` gets
+    the run's calls to host functions (code mode); the run's deadline holds whatever they do,
+    and an interrupt cancels them.
     """
     out = out if out is not None else RunOutcome()
     collector = OutputCollector(out.collected, max_output_chars, callbacks or Callbacks())
@@ -91,7 +104,7 @@ async def run_request(
     content = request.content()
     msg_id = await conn.send("shell", request.msg_type, content, metadata=request.metadata)
     fence_id = await conn.send("shell", FENCE_REQUEST, {}) if fence else None
-    run = _Run(msg_id, request.reply_type, request.quiet, out, collector, fence_id)
+    run = _Run(msg_id, request.reply_type, request.quiet, out, collector, fence_id, host=host)
     try:
         await _collect(conn, run, start + timeout, interrupt_grace, output_grace)
     except (asyncio.CancelledError, CallbackFailed):
@@ -116,6 +129,7 @@ class _Run:
     collector: OutputCollector
     fence_id: str | None = None  # the fence sent after the request (None: not fenced)
     fenced: bool = False  # the fence's answer arrived: the kernel has finished the run
+    host: HostCallHandler | None = None  # takes the run's calls to host functions
     expected: int | None = None  # output messages the kernel says it sent
 
     @property
@@ -160,6 +174,8 @@ async def _collect(
             if not out.timed_out:
                 out.timed_out = True
                 await conn.interrupt()
+                if run.host is not None:
+                    run.host.interrupted()
                 deadline = now + interrupt_grace
                 continue
             out.stuck = True
@@ -194,6 +210,8 @@ async def _take(msg: KernelMessage | KernelDied, run: _Run) -> bool:
     elif msg.msg_type == "status":
         out.idle = msg.content.get("execution_state") == "idle"
     elif msg.channel == "iopub":
+        if run.host is not None and run.host.take(msg):
+            return False
         await run.collector.add(msg)
     return False
 
@@ -205,6 +223,8 @@ async def _wind_down(conn: KernelConnection, run: _Run, interrupt_grace: float) 
     run.collector.callbacks = Callbacks()  # the caller is gone
     if not run.replied and out.death is None:
         await conn.interrupt()
+    if run.host is not None:
+        run.host.interrupted()
     deadline = time.monotonic() + interrupt_grace
     while not run.complete() and out.death is None:
         now = time.monotonic()

@@ -18,12 +18,20 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from nbformat import NotebookNode
 
 from kernelexec._aio import finish_shielded
+from kernelexec._codemode._exposure import DEFAULT_MODULE, HostFunctions, one_call
 from kernelexec._config import valid_timeout
+from kernelexec._core._hostcalls import (
+    OneCall,
+    SessionCodeMode,
+    is_host_call_output,
+    without_host_call_outputs,
+)
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import CallbackFailed, Callbacks, Collected, OutputCallback
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._traced import traced_call
+from kernelexec._durable._kernel_state import HOOK_KEY
 from kernelexec._exceptions import (
     BranchingNotSupportedError,
     EnvSetupError,
@@ -32,7 +40,16 @@ from kernelexec._exceptions import (
 from kernelexec._files._commands import AsyncSessionCommands
 from kernelexec._files._link import KernelLink
 from kernelexec._files._session import AsyncSessionFiles
-from kernelexec._models import ExecError, Execution, Isolation, RunRecord, ToolResult, now_iso
+from kernelexec._models import (
+    ExecError,
+    Execution,
+    Hibernation,
+    HostCall,
+    Isolation,
+    RunRecord,
+    ToolResult,
+    now_iso,
+)
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol import _host as protocol
@@ -86,6 +103,7 @@ class AsyncSession:
         backend: str = "local",
         setup_code: tuple[str, ...] = (),
         branches: SessionBranches | None = None,
+        max_host_calls: int = 1000,
     ) -> None:
         self.agent_id = agent_id
         self._branches = branches
@@ -120,6 +138,12 @@ class AsyncSession:
         self.commands = AsyncSessionCommands(link)
         """Shell commands run in the background in the kernel while the session's other
         calls go on (see :class:`kernelexec.AsyncSessionCommands`)."""
+        self._codemode = SessionCodeMode(
+            agent_id,
+            max_calls=max_host_calls,
+            max_result_chars=max_result_chars,
+            install_timeout=default_timeout,
+        )
 
     # -- public API -------------------------------------------------------------------------
 
@@ -157,6 +181,41 @@ class AsyncSession:
         """The file the recording is saved to after every run (None: not saved)."""
         return self._recorder.path if self._recorder is not None else None
 
+    async def expose(
+        self, *functions: Any, module: str = DEFAULT_MODULE, timeout: float | None = None
+    ) -> None:
+        """Make host functions importable by the session's code: ``from tools import search``.
+
+        Each may be a plain or ``async def`` function (or callable object), or a
+        :class:`~kernelexec.Tool` (its source is then run on the host). In the kernel it has its
+        signature and docstring; a call sends its arguments (JSON values only) to the host,
+        where they are checked against the function's parameters and the function runs (plain
+        functions in a worker thread) with the session's identity: a parameter named
+        ``agent_id`` gets the agent id, one named ``context`` a
+        :class:`~kernelexec.HostCallContext`.
+        An ``async def`` function is awaitable in the kernel (``asyncio.gather`` runs calls
+        together on the host). Errors arrive as ``HostCallError`` subclasses carrying the host's
+        message only. Calls are answered only while a run is in flight, at most
+        ``max_host_calls`` per run. Exposed modules stay for the session's life, on every
+        kernel it gets (restart, eviction, crash).
+
+        Args:
+            *functions: What to expose (added to what ``module`` already has).
+            module: The module name in the kernel (dotted names make packages).
+            timeout: Seconds one call of these functions may take on the host (None: bounded
+                by the run's own timeout only); past it the kernel gets ``HostCallTimeout``.
+
+        Raises:
+            ConfigError: a bad module name, or a function that cannot be exposed (no public
+                name, ``*args``/``**kwargs``/positional-only parameters).
+        """
+        async with self._lease.hold():
+            self._state.check()
+            self._codemode.add(functions, module, timeout)
+            conn = self._lease.connection
+            if conn is not None:
+                await self._codemode.install(conn, self._lease.generation, strict=True)
+
     @traced_call("run_code")
     async def run_code(
         self,
@@ -167,6 +226,7 @@ class AsyncSession:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: HostFunctions | None = None,
     ) -> Execution:
         """Run code in the session's kernel, like a notebook cell.
 
@@ -177,6 +237,8 @@ class AsyncSession:
             on_stdout: Called with each piece of stdout text as it arrives.
             on_stderr: Called with each piece of stderr text as it arrives.
             on_display: Called with each display_data output dict as it arrives.
+            host_functions: Host functions for this run only, as :meth:`expose` would make
+                them (a list: module ``tools``; or a dict of module name -> functions).
         """
         if not isinstance(code, str):
             raise TypeError(f"code must be str, not {type(code).__name__}")
@@ -184,13 +246,14 @@ class AsyncSession:
         problem = _env_problem(env_vars)
         if problem:
             raise TypeError(problem)
+        once = one_call(host_functions)
         request = protocol.code_request(code, env_vars)
         callbacks = Callbacks(on_stdout, on_stderr, on_display)
         async with self._lease.hold():
             self._state.check()
             started = now_iso()
             try:
-                result, report, generation = await self._execute(request, timeout, callbacks)
+                result, report, generation = await self._execute(request, timeout, callbacks, once)
             except asyncio.CancelledError:
                 self._raise_if_closed_under_us()
                 await finish_shielded(
@@ -212,7 +275,7 @@ class AsyncSession:
             )
             if problem is not None:
                 execution = execution.model_copy(update={"recording_error": problem})
-        return execution
+        return without_host_call_outputs(execution) if self._recorder else execution
 
     @traced_call("call_tool")
     async def call_tool(
@@ -226,6 +289,7 @@ class AsyncSession:
         on_stdout: OutputCallback | None = None,
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
+        host_functions: HostFunctions | None = None,
     ) -> ToolResult:
         """Call a tool with JSON arguments; they are validated first and sent as data.
 
@@ -239,10 +303,13 @@ class AsyncSession:
             on_stdout: Called with each piece of stdout text as it arrives.
             on_stderr: Called with each piece of stderr text as it arrives.
             on_display: Called with each display_data output dict as it arrives.
+            host_functions: Host functions the tool may call, for this call only (see
+                :meth:`run_code`).
         """
         if not isinstance(tool, Tool):
             raise TypeError(f"tool must be a kernelexec.Tool, not {type(tool).__name__}")
         timeout = self._check_timeout(timeout)
+        once = one_call(host_functions)
         args = {} if args is None else args
         problems = tool.validate_args(args)
         problem = _env_problem(env_vars)
@@ -276,7 +343,9 @@ class AsyncSession:
                 )
                 callbacks = Callbacks(on_stdout, on_stderr, on_display)
                 try:
-                    fields, report, generation = await self._execute(request, timeout, callbacks)
+                    fields, report, generation = await self._execute(
+                        request, timeout, callbacks, once
+                    )
                 except asyncio.CancelledError:
                     self._raise_if_closed_under_us()
                     await finish_shielded(
@@ -322,7 +391,11 @@ class AsyncSession:
             return full
         # The return value was displayed only for the notebook; the result is the same whether
         # or not the session records.
-        outputs = [o for o in full.outputs if o.get("output_type") != "execute_result"]
+        outputs = [
+            o
+            for o in full.outputs
+            if o.get("output_type") != "execute_result" and not is_host_call_output(o)
+        ]
         return full.model_copy(update={"outputs": outputs, "result": None})
 
     async def variables(self, timeout: float = 10.0) -> dict[str, dict[str, str]]:
@@ -405,6 +478,7 @@ class AsyncSession:
         conn = self._lease.connection
         if conn is not None:
             await conn.interrupt()
+        self._codemode.interrupted()
 
     async def restart(self) -> None:
         """Replace the kernel with a fresh one now; all state is lost."""
@@ -414,9 +488,29 @@ class AsyncSession:
                 log.info("agent %r: kernel restarted on request", self.agent_id)
                 await self._lease.lose_state()
 
+    async def hibernate(self) -> Hibernation:
+        """Save the session's state to the executor's ``state_dir`` and give its kernel back
+        now; the next call restores it into a fresh kernel (``result.restored``).
+
+        Waits for the running call (if any). Returns what was saved and what was not, with
+        why (those names are reported lost on restore).
+
+        Raises:
+            ConfigError: the executor has no ``state_dir``.
+            CheckpointTooLargeError: the state passes ``max_checkpoint_bytes`` (the kernel and
+                its state are kept; the message names the biggest names).
+            StateError: the state could not be saved (the kernel and its state are kept).
+        """
+        async with self._lease.hold():
+            self._state.check()
+            return await self._lease.hibernate()
+
     async def aclose(self) -> None:
-        """Shut the session's kernel down; later calls raise ``ExecutorClosedError``."""
+        """Shut the session's kernel down (hibernating it first, with a ``state_dir``);
+        later calls raise ``ExecutorClosedError``."""
         self.mark_closed()
+        if self._lease.keeper is not None:
+            await self._lease.evict()
         await self._lease.release()
         if self._on_close is not None:
             await self._on_close(self)
@@ -474,7 +568,11 @@ class AsyncSession:
         return "; ".join(problems) or None
 
     async def _execute(
-        self, request: ExecuteRequest, timeout: float, callbacks: Callbacks
+        self,
+        request: ExecuteRequest,
+        timeout: float,
+        callbacks: Callbacks,
+        once: OneCall | None = None,
     ) -> tuple[dict[str, Any], protocol.Report | None, int]:
         """Run ``request`` on the lease's kernel: the result's fields, the kernel side's
         report, and the number of the kernel that ran it."""
@@ -491,17 +589,22 @@ class AsyncSession:
             fields = _not_run(failed)
             fields["kernel_restarted"] = lost is not None
             fields["lost_variables"] = sorted(set(lost or []))
+            fields["restored"] = self._lease.take_restored()
             fields["duration_s"] = time.monotonic() - start
             return fields, None, self._lease.generation
-        out = await self._send(request, timeout, callbacks)
+        out, calls = await self._send(request, timeout, callbacks, once)
         if out.died and not out.started:
             # The kernel died before it saw the request (e.g. killed between calls): the
             # code never ran, so run it once on a fresh kernel.
             lost = (lost or []) + await self._lease.replace()
-            out = await self._send(request, timeout, callbacks)
+            out, calls = await self._send(request, timeout, callbacks, once)
         generation = self._lease.generation
         tool_call = protocol.is_tool_call(request)
         fields, report = await self._finish(out, timeout, lost, tool_call=tool_call)
+        fields["host_calls"] = calls
+        fields["restored"] = self._lease.take_restored()
+        if report is not None and self._lease.keeper is not None:
+            await self._lease.after_call(report.extras.get(HOOK_KEY))
         fields["duration_s"] = time.monotonic() - start
         self._current = None  # the result owns its outputs now
         return fields, report, generation
@@ -521,7 +624,7 @@ class AsyncSession:
         if not self.setup_code or self._setup_done == self._lease.generation:
             return None
         for code in self.setup_code:
-            out = await self._send(protocol.code_request(code), timeout, Callbacks())
+            out, _ = await self._send(protocol.code_request(code), timeout, Callbacks(), None)
             self._current = None
             reply = out.reply or {}
             if out.died or out.stuck or out.timed_out:
@@ -599,27 +702,44 @@ class AsyncSession:
         )
 
     async def _send(
-        self, request: ExecuteRequest, timeout: float, callbacks: Callbacks
-    ) -> RunOutcome:
+        self,
+        request: ExecuteRequest,
+        timeout: float,
+        callbacks: Callbacks,
+        once: OneCall | None,
+    ) -> tuple[RunOutcome, list[HostCall]]:
         conn = self._lease.connection
         assert conn is not None
         settings = self._lease.take_settings()
         if settings is not None:
             request = protocol.with_configure(request, settings)
+        self._current = RunOutcome()
+        request, host = await self._codemode.start_run(
+            conn,
+            self._lease.generation,
+            request,
+            once,
+            record=self._recorder is not None,
+            outputs=self._current.collected.outputs,
+        )
         if conn.serves_calls and protocol.is_tool_call(request):
             request = protocol.served(request)
-        self._current = RunOutcome()
-        return await run_request(
-            conn,
-            request,
-            timeout=timeout,
-            interrupt_grace=self._grace,
-            output_grace=self._output_grace,
-            max_output_chars=self._max_output,
-            callbacks=callbacks,
-            out=self._current,
-            fence=conn.fenced,
-        )
+        try:
+            out = await run_request(
+                conn,
+                request,
+                timeout=timeout,
+                interrupt_grace=self._grace,
+                output_grace=self._output_grace,
+                max_output_chars=self._max_output,
+                callbacks=callbacks,
+                out=self._current,
+                fence=conn.fenced,
+                host=host,
+            )
+        finally:
+            calls = await finish_shielded(self._codemode.end_run(host))
+        return out, calls
 
     async def _finish(
         self, out: RunOutcome, timeout: float, lost: list[str] | None, *, tool_call: bool

@@ -26,6 +26,7 @@ from pydantic import BaseModel
 from kernelexec._envs._envs import (
     ENV_INFO,
     KERNEL_REQUIREMENT,
+    STATE_REQUIREMENT,
     VenvEnv,
     default_cache_dir,
     python_version,
@@ -219,7 +220,8 @@ class EnvBuilder:
             confined = self.confinement.confined and bool(env.requirements)
             # Confined, kernelexec's own requirement is installed first as the host; the
             # tool-named ones (whose build backends run code) then as the build's own user.
-            host_reqs = [KERNEL_REQUIREMENT] + ([] if confined else list(env.requirements))
+            host_reqs = [KERNEL_REQUIREMENT, STATE_REQUIREMENT]
+            host_reqs += [] if confined else list(env.requirements)
             reqs = work / "requirements.txt"
             reqs.write_text("\n".join(host_reqs) + "\n")
             tool_reqs = work / "tool-requirements.txt"

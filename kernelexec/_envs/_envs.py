@@ -34,6 +34,10 @@ from kernelexec._exceptions import ConfigError, describe_problems
 KERNEL_REQUIREMENT = f"ipykernel=={importlib.metadata.version('ipykernel')}"
 """What kernelexec needs inside every venv: the ipykernel release the host is tested with."""
 
+STATE_REQUIREMENT = "cloudpickle"
+"""Installed in every venv too: durable sessions save functions and classes defined in the
+kernel by value with it (``docs/durable.md``)."""
+
 CACHE_ENV_VAR = "KERNELEXEC_CACHE_DIR"
 ENV_INFO = "kernelexec-env.json"
 _LAYOUT = "1"  # bump when the on-disk layout of a built venv changes
@@ -200,7 +204,10 @@ class VenvEnv(BaseModel):
         afterwards needs a new ``VenvEnv``)."""
         if self._fingerprint is not None:
             return self._fingerprint
-        parts = [f"venv|{_LAYOUT}|{python_version(self.interpreter)}|{KERNEL_REQUIREMENT}"]
+        parts = [
+            f"venv|{_LAYOUT}|{python_version(self.interpreter)}|{KERNEL_REQUIREMENT}",
+            STATE_REQUIREMENT,
+        ]
         for req in self.requirements:
             local = _local_file(req)
             parts.append(f"{req}|sha256={_file_digest(local)}" if local else req)

@@ -33,6 +33,8 @@ class McpOptions(BaseModel):
             None: the backend's default).
         requirements: Run the kernels in a virtual environment with these requirements.
         timeout: Default seconds a run may take before the kernel is interrupted.
+        upstream: Other MCP servers to connect to, as ``NAME=COMMAND`` (stdio); kernel code
+            calls their tools as ``tools.<NAME>.<tool>``.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -46,6 +48,7 @@ class McpOptions(BaseModel):
     isolation: str | None = None
     requirements: tuple[str, ...] = ()
     timeout: float | None = Field(None, gt=0)
+    upstream: tuple[str, ...] = ()
 
     @classmethod
     def from_flags(cls, **flags: Any) -> McpOptions:

@@ -15,7 +15,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import anyio
@@ -39,6 +39,7 @@ from kernelexec._mcp._results import (
     tool_call_result,
 )
 from kernelexec._mcp._sessions import ClientConnection, SessionEntry, SessionRegistry
+from kernelexec._mcp._upstream import Upstream, connect_upstreams
 from kernelexec._models import Execution
 from kernelexec._tools._tool import Tool
 
@@ -81,6 +82,7 @@ class ServerState:
     registry: SessionRegistry
     tools: dict[str, Tool]
     grace: float
+    upstream: dict[str, list[str]] = field(default_factory=dict)  # module -> its tool names
 
 
 def builtin_tools() -> list[types.Tool]:
@@ -124,6 +126,7 @@ def build_server(options: McpOptions, tools: list[Tool]) -> Server[ServerState]:
     )
     executor_config = options.executor_config()
     make_config(**executor_config)  # a bad value is refused now, not when the first client comes
+    upstreams = tuple(Upstream.parse(text) for text in options.upstream)
 
     @asynccontextmanager
     async def lifespan(_: Server[ServerState]) -> AsyncIterator[ServerState]:
@@ -132,7 +135,10 @@ def build_server(options: McpOptions, tools: list[Tool]) -> Server[ServerState]:
             await executor.start()
             if isinstance(executor.env, VenvEnv):
                 await executor.warm_up()  # build the venv now: a bad requirement fails at start
-            yield ServerState(SessionRegistry(executor), by_name, executor.config.interrupt_grace)
+            async with connect_upstreams(upstreams, timeout=None) as exposed:
+                registry = SessionRegistry(executor, exposed)
+                names = {module: [f.name for f in fns] for module, fns in exposed.items()}
+                yield ServerState(registry, by_name, executor.config.interrupt_grace, names)
         finally:
             with anyio.CancelScope(shield=True):
                 await executor.aclose()
@@ -141,7 +147,18 @@ def build_server(options: McpOptions, tools: list[Tool]) -> Server[ServerState]:
     async def list_tools(
         ctx: Context, params: types.PaginatedRequestParams | None
     ) -> types.ListToolsResult:
-        return types.ListToolsResult(tools=listed)
+        state: ServerState = ctx.lifespan_context
+        if not state.upstream:
+            return types.ListToolsResult(tools=listed)
+        modules = "; ".join(f"{m}: {', '.join(names)}" for m, names in state.upstream.items())
+        run_python = listed[0].model_copy(
+            update={
+                "description": f"{listed[0].description} The code can call the tools of other "
+                f"MCP servers as functions (`from tools.NAME import tool`; help() shows each "
+                f"one's signature): {modules}."
+            }
+        )
+        return types.ListToolsResult(tools=[run_python, *listed[1:]])
 
     async def call_tool(ctx: Context, params: types.CallToolRequestParams) -> types.CallToolResult:
         state: ServerState = ctx.lifespan_context

@@ -11,8 +11,10 @@ import asyncio
 import logging
 import re
 import secrets
+import weakref
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._core._session import AsyncSession
@@ -55,9 +57,13 @@ class SessionEntry:
 class SessionRegistry:
     """The MCP server's sessions over one executor; one :class:`ClientConnection` per client."""
 
-    def __init__(self, executor: AsyncKernelExecutor) -> None:
+    def __init__(
+        self, executor: AsyncKernelExecutor, exposed: Mapping[str, Sequence[Any]] | None = None
+    ) -> None:
         self.executor = executor
         self._entries: dict[str, SessionEntry] = {}
+        self._exposed = dict(exposed or {})  # module -> host functions (--upstream tools)
+        self._ready: weakref.WeakSet[AsyncSession] = weakref.WeakSet()
 
     def connect(self) -> ClientConnection:
         """A new client connection with its own (not yet started) default session."""
@@ -71,8 +77,15 @@ class SessionRegistry:
         return found
 
     async def session(self, entry: SessionEntry) -> AsyncSession:
-        """The kernelexec session behind ``entry`` (its kernel starts on first run)."""
-        return entry.use(await self.executor.session(entry.agent_id))
+        """The kernelexec session behind ``entry`` (its kernel starts on first run), with the
+        upstream servers' tools exposed to its code."""
+        session = entry.use(await self.executor.session(entry.agent_id))
+        if self._exposed and session not in self._ready:
+            for module, functions in self._exposed.items():
+                if functions:
+                    await session.expose(*functions, module=module)
+            self._ready.add(session)
+        return session
 
     def visible_to(self, user: str) -> list[SessionEntry]:
         """The sessions ``user`` may see: its own default one and every named one."""

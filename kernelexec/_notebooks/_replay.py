@@ -9,6 +9,9 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from kernelexec._codemode._calls import HOST_CALL_MIME
+from kernelexec._codemode._exposure import DEFAULT_MODULE, HostFunctions
+from kernelexec._codemode._stubs import recorded_calls, recorded_stubs
 from kernelexec._config import valid_timeout
 from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._envs._envs import VenvEnv
@@ -80,7 +83,8 @@ def output_lines(outputs: list[Any]) -> list[str]:
     """Outputs as comparable lines: stream text, text-like data, and error name and message.
 
     Tracebacks are left out (their frames differ between a tool call and its replayed cell);
-    binary data (images) counts only by type.
+    binary data (images) counts only by type; host calls (code mode's records) are left out:
+    they are what the code asked of the host, not what it showed.
     """
     lines: list[str] = []
     streams: dict[str, str] = {}
@@ -100,6 +104,8 @@ def output_lines(outputs: list[Any]) -> list[str]:
                 order.append(name)
                 streams[name] = ""
             streams[name] += _text(out.get("text", ""))
+            continue
+        if HOST_CALL_MIME in (out.get("data") or {}):
             continue
         flush()
         if kind in ("execute_result", "display_data"):
@@ -131,6 +137,7 @@ async def areplay(
     default_timeout: float = 60.0,
     max_timeout: float | None = None,
     build_requirements: bool = False,
+    host_functions: HostFunctions | None = None,
     **config: Any,
 ) -> ReplayReport:
     """Run a notebook's code cells top to bottom in a fresh kernel and compare the outputs.
@@ -144,7 +151,9 @@ async def areplay(
     timeout they had, and the kernel is
     restarted where the recorded session got a fresh kernel, so a recorded timeout or lost
     state replays as it happened. Calls that were rejected before running are skipped, and so are
-    calls their caller cancelled (how far they got cannot be reproduced).
+    calls their caller cancelled (how far they got cannot be reproduced). A cell whose code
+    called host functions (code mode) gets them back as stubs answering as recorded, unless
+    ``host_functions`` are given: then those are exposed and really run.
 
     Args:
         path: The notebook.
@@ -152,6 +161,8 @@ async def areplay(
         max_timeout: The most any cell may take, whatever its recorded timeout (None: no cap).
         build_requirements: Build the recorded venv's requirements when the cache does not
             hold it already.
+        host_functions: Host functions to expose to the replay (a list: module ``tools``; or
+            a dict of module name -> functions) instead of answering host calls as recorded.
         **config: Other :class:`~kernelexec.ExecutorConfig` fields for the replay's executor.
 
     Raises:
@@ -190,6 +201,12 @@ async def areplay(
                 "(CLI: --build-requirements) to build it under the replay's isolation"
             )
         session = await ex.session("replay")
+        if host_functions is not None:
+            if not isinstance(host_functions, dict):
+                host_functions = {DEFAULT_MODULE: list(host_functions)}
+            for module, functions in host_functions.items():
+                await session.expose(*functions, module=module)
+        every_call = [c for cell in nb.cells for c in recorded_calls(cell.get("outputs") or [])]
         ran = False
         for index, cell in enumerate(nb.cells):
             if cell.cell_type != "code":
@@ -202,7 +219,12 @@ async def areplay(
             timeout = recorded_timeouts[index] or default_timeout
             if max_timeout is not None:
                 timeout = min(timeout, max_timeout)
-            result = await session.run_code(cell.source, timeout=timeout)
+            stubs = None
+            if host_functions is None and every_call:
+                stubs = recorded_stubs(cell.outputs, every_call)
+            result = await session.run_code(
+                cell.source, timeout=timeout, host_functions=stubs or None
+            )
             ran = True
             report.cells_run += 1
             recorded = output_lines(cell.outputs)

@@ -16,7 +16,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel
 
-from kernelexec import _json
+from kernelexec import _json, _proctitle
 from kernelexec._models import ErrorKind, ExecError
 from kernelexec._protocol import _kernel_side as kernel_side
 from kernelexec._tools._tool import Tool
@@ -80,11 +80,13 @@ class Report:
         names: The user's variable names now.
         result: A tool call's ``{"return": ..., "agent_state": ...}``, else None.
         language_info: The kernel's ``language_info`` (on a session's first run only).
+        extras: What hooks registered in the kernel side added (by key).
     """
 
     names: tuple[str, ...] = ()
     result: dict[str, Any] | None = None
     language_info: dict[str, Any] | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
 
 
 def bootstrap_request(
@@ -127,6 +129,7 @@ def bootstrap_request(
                 "report_expression": REPORT_EXPRESSION,
                 "fast_paths": fast_paths,
                 "fast_calls": fast_calls,
+                "title_source": _proctitle.SOURCE,
                 "flow_control": flow_control,
             }
         },
@@ -250,6 +253,13 @@ def with_configure(request: ExecuteRequest, settings: dict[str, Any]) -> Execute
     return dataclasses.replace(request, metadata=metadata)
 
 
+def with_metadata(request: ExecuteRequest, entries: dict[str, Any] | None) -> ExecuteRequest:
+    """``request`` with more top-level metadata ``entries`` (another part's own keys)."""
+    if not entries:
+        return request
+    return dataclasses.replace(request, metadata={**request.metadata, **entries})
+
+
 def read_report(reply: dict[str, Any]) -> Report | None:
     """The kernel side's report from an ``execute_reply`` (None when it has none)."""
     entry = (reply.get("user_expressions") or {}).get(kernel_side.REPORT_KEY) or {}
@@ -269,7 +279,11 @@ def read_report(reply: dict[str, Any]) -> Report | None:
         names=tuple(str(n) for n in names) if isinstance(names, list) else (),
         result=result if isinstance(result, dict) else None,
         language_info=info if isinstance(info, dict) else None,
+        extras={k: v for k, v in data.items() if k not in _REPORT_FIELDS},
     )
+
+
+_REPORT_FIELDS = frozenset({"names", "result", "language_info"})
 
 
 def asked_exit(reply: dict[str, Any]) -> bool:

@@ -25,11 +25,15 @@ import json
 import sys
 from typing import Any
 
+from kernelexec import _proctitle
 from kernelexec._sandbox import _mounts, _seccomp
 
 # jupyter-client substitutes "{name}" in every argument: this text must contain none.
 SOURCE = (
-    r"""# kernelexec launcher
+    "# kernelexec launcher\n"
+    + _proctitle.SOURCE
+    + f"kx_set_title({_proctitle.LAUNCHER!r}, {_proctitle.COMMS[_proctitle.LAUNCHER]!r})\n"
+    + r"""
 import ctypes, json, os, resource, signal, sys, time
 cfg = json.loads(sys.argv[1])
 argv = sys.argv[2:]

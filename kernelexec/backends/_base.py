@@ -264,6 +264,18 @@ class KernelBackend(abc.ABC):
         """
         return None
 
+    def reserve(self, kernels: int) -> None:
+        """An executor made with ``max_kernels=kernels`` holds this backend (called once, when
+        it is made, before :meth:`hold`).
+
+        A backend whose kernels cost this process resources (descriptors, sockets) makes room
+        for that many here, or raises when the host cannot. The default does nothing.
+
+        Raises:
+            HostLimitError: the host cannot hold ``kernels`` kernels.
+        """
+        return None
+
     async def release(self) -> None:
         """An executor that called :meth:`hold` has closed (its kernels are shut down).
 

@@ -1,0 +1,460 @@
+"""``SessionState``: one session's durable state: saving it from its kernel into the store,
+restoring it into a fresh kernel, and the after-call checkpoints.
+
+The session's lease calls it, always while it holds the session (no call runs meanwhile):
+``attached`` when a fresh kernel is attached, ``save`` before the kernel goes, ``after_call``
+with what the kernel side reported after a call, ``invalidate`` when the kernel's state was
+lost another way. It talks to the kernel through a runner the lease gives it (one of
+kernelexec's own requests), never to a connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.resources
+import json
+import logging
+import os
+import shutil
+import stat
+import time
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, Literal
+
+from kernelexec._durable import _files
+from kernelexec._durable import _kernel_state as ks
+from kernelexec._durable._store import Manifest, StateStore, now_iso
+from kernelexec._exceptions import CheckpointTooLargeError, StateError
+from kernelexec._models import Hibernation, Restored
+from kernelexec._observability._otel import telemetry
+from kernelexec._protocol._host import ExecuteRequest
+
+log = logging.getLogger("kernelexec")
+
+Runner = Callable[[ExecuteRequest, float], Awaitable[dict[str, Any]]]
+"""Runs one of kernelexec's own requests on the session's kernel; returns the reply."""
+
+Replayer = Callable[[list[str], Runner], Awaitable[list[str]]]
+"""Rebuilds names by replaying the recorded cells that made them; returns those rebuilt."""
+
+_KEY = "kx_state"
+_META = "kernelexec_state"
+_TIMEOUT = 600.0
+_INSTALL = (
+    "def __kx_state():\n"
+    "    import sys, types\n"
+    "    from IPython import get_ipython\n"
+    f"    if {ks.MODULE_NAME!r} in sys.modules:\n"
+    "        return\n"
+    f"    meta = get_ipython().kernel.get_parent()['metadata'][{_META!r}]\n"
+    f"    mod = types.ModuleType({ks.MODULE_NAME!r})\n"
+    "    exec(compile(meta['source'], '<kernelexec state>', 'exec'), mod.__dict__)\n"
+    f"    sys.modules[{ks.MODULE_NAME!r}] = mod\n"
+    "__kx_state(); del __kx_state\n"
+)
+
+
+def _source() -> str:
+    return importlib.resources.files(__package__).joinpath("_kernel_state.py").read_text()
+
+
+class SessionState:
+    """See the module docstring.
+
+    Args:
+        store: The executor's state directory.
+        agent_id: The session's agent.
+        env: ``""`` for the executor's default environment, else its fingerprint.
+        workdir: The session's working directory (the host's path; kernels see the same).
+        checkpoint: ``"on_evict"`` or ``"after_call"``.
+        limit: Most bytes of one checkpoint.
+        same_user: The kernel runs as the host's user (isolation ``"none"``): a restore links
+            the records where the kernel reads them instead of copying them.
+    """
+
+    def __init__(
+        self,
+        store: StateStore,
+        agent_id: str,
+        env: str,
+        workdir: Path,
+        *,
+        checkpoint: Literal["on_evict", "after_call"],
+        limit: int,
+        same_user: bool = False,
+    ) -> None:
+        self.store = store
+        self.agent_id = agent_id
+        self.env = env
+        self.workdir = workdir
+        self.checkpoint = checkpoint
+        self.limit = limit
+        self.same_user = same_user
+        self.replayer: Replayer | None = None
+        self._manifest: Manifest | None = None
+        self._problems: list[str] = []
+        self._loaded = False
+        self._to_restore = False
+        self._installed_in = -1
+        self._hook_broken = False  # an after-call checkpoint failed: off until the next kernel
+        self._files: tuple[_files.Signature, dict[str, Any] | None] | None = None
+
+    @property
+    def staging(self) -> Path:
+        """Where the kernel stages record files (inside the session's working directory)."""
+        return self.workdir / ks.STAGING
+
+    # -- a fresh kernel -----------------------------------------------------------------------
+
+    async def attached(
+        self,
+        run: Runner,
+        generation: int,
+        hand_over: Callable[[], Awaitable[None]],
+        branched: bool = False,
+    ) -> tuple[Restored | None, list[str]]:
+        """A fresh kernel (number ``generation``) is attached: restore the saved state into it
+        when there is one; return what came back and the names that did not. ``hand_over``
+        gives the working directory (restored files included) to the kernel's user. A
+        ``branched`` kernel (a fork, a restored snapshot) has its state: the saved one is
+        stale and deleted, and the kernel forgets what it remembers of its origin's saves."""
+        self._installed_in = -1
+        self._hook_broken = False
+        if branched:
+            await asyncio.to_thread(self._invalidate)
+        if not self._loaded:
+            self._loaded = True
+            self._manifest, self._problems = await asyncio.to_thread(
+                self.store.load, self.agent_id, self.env
+            )
+            self._to_restore = self._manifest is not None or bool(self._problems)
+        restored, lost = None, []
+        if self._to_restore:
+            self._to_restore = False
+            with telemetry().span("state.restore", {"kernelexec.agent_id": self.agent_id}):
+                restored = await self._restore(run, generation, hand_over)
+            lost = sorted(restored.not_restored)
+        else:
+            # A new or branched kernel: no memory of earlier saves may be reused (a fork
+            # remembers its parent's), and the after-call hook is set for this session.
+            try:
+                await self._ask(run, generation, "forget", {})
+            except StateError as exc:
+                log.warning("agent %r: durable state not set up: %s", self.agent_id, exc)
+        return restored, lost
+
+    async def _restore(
+        self, run: Runner, generation: int, hand_over: Callable[[], Awaitable[None]]
+    ) -> Restored:
+        start = time.monotonic()
+        manifest, problems = self._manifest, list(self._problems)
+        self._problems = []
+        if manifest is None:
+            for p in problems:
+                log.warning("agent %r: checkpoint not used: %s", self.agent_id, p)
+            return Restored(seconds=time.monotonic() - start, problems=problems)
+        not_restored = {n: f"not saved: {why}" for n, why in manifest.unsaved.items()}
+        try:
+            problem = await asyncio.to_thread(self._stage_for_restore, manifest)
+            if problem:
+                problems.append(problem)
+            await hand_over()  # the restored files are the kernel's before any code runs
+            answer = await self._ask(
+                run,
+                generation,
+                "restore",
+                {
+                    "staging": str(self.staging),
+                    "cwd": str(self.workdir),
+                    "records": manifest.records,
+                    "gen": manifest.gen,
+                    "environ": manifest.environ,
+                },
+            )
+            names = sorted(answer.get("restored", []))
+            not_restored.update({str(k): str(v) for k, v in answer.get("lost", {}).items()})
+        except StateError as exc:
+            names = []
+            for name in manifest.names:
+                not_restored[name] = f"not restored: {exc}"
+        finally:
+            await asyncio.to_thread(_clear_staging, self.staging)
+        replayed: list[str] = []
+        if not_restored and self.replayer is not None:
+            replayed = await self.replayer(sorted(not_restored), run)
+            for name in replayed:
+                not_restored.pop(name, None)
+        for p in problems:
+            log.warning("agent %r: %s", self.agent_id, p)
+        return Restored(
+            names=names,
+            bytes=manifest.size,
+            seconds=time.monotonic() - start,
+            saved_at=manifest.saved_at,
+            not_restored=not_restored,
+            replayed=replayed,
+            problems=problems,
+        )
+
+    def _stage_for_restore(self, manifest: Manifest) -> str | None:
+        """Copy the records where the kernel reads them (a kernel at ``process`` runs as its
+        own user and cannot read the private directory); unpack the files if the working
+        directory is new. Record checksums are checked by the kernel before it loads."""
+        where = self.store.agent_dir(self.agent_id, self.env)
+        problem = None
+        if manifest.files:
+            problem = _files.extract(
+                where / str(manifest.files["file"]),
+                self.workdir,
+                int(manifest.files["size"]),
+                int(manifest.files["crc"]),
+            )
+        _clear_staging(self.staging)
+        os.mkdir(self.staging, 0o755)
+        dir_fd = os.open(self.staging, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+        try:
+            for rec in manifest.records:
+                if not rec.get("file"):
+                    continue
+                source, name = where / str(rec["file"]), str(rec["file"])
+                if self.same_user:
+                    try:
+                        os.link(source, name, dst_dir_fd=dir_fd)
+                        continue
+                    except OSError:  # another filesystem: copy
+                        pass
+                _copy_out(source, name, dir_fd)
+        finally:
+            os.close(dir_fd)
+        return problem
+
+    # -- saving -------------------------------------------------------------------------------
+
+    async def save(self, run: Runner, generation: int) -> Hibernation:
+        """Save the kernel's state now (the kernel stays).
+
+        Raises:
+            CheckpointTooLargeError: the checkpoint would pass the limit (nothing is saved).
+            StateError: the kernel could not save, or the store could not keep it.
+        """
+        with telemetry().span("state.save", {"kernelexec.agent_id": self.agent_id}):
+            return await self._save(run, generation)
+
+    async def _save(self, run: Runner, generation: int) -> Hibernation:
+        start = time.monotonic()
+        await self._load_quietly()
+        base = self._manifest.gen if self._manifest is not None else None
+        args = {
+            "staging": str(self.staging),
+            "base": base,
+            "gen": (base or 0) + 1,
+            "limit": self.limit,
+            "full": True,
+        }
+        try:
+            answer = await self._ask(run, generation, "save", args)
+            if "too_large" in answer:
+                raise _too_large(answer)
+            manifest, written = await asyncio.to_thread(self._commit, answer)
+        finally:
+            await asyncio.to_thread(_clear_staging, self.staging)
+        return Hibernation(
+            saved=manifest.names,
+            not_saved=manifest.unsaved,
+            bytes=manifest.size,
+            seconds=time.monotonic() - start,
+            written_bytes=written,
+        )
+
+    async def after_call(self, answer: Any, run: Runner, generation: int) -> None:
+        """Commit what the kernel side checkpointed after a call (None: the namespace did not
+        change; the working directory may have)."""
+        if not isinstance(answer, dict):
+            if self._files is None or _files.signature(self.workdir) == self._files[0]:
+                return
+            if self._manifest is None:
+                return
+            answer = {
+                "records": self._manifest.records,
+                "unsaved": self._manifest.unsaved,
+                "environ": self._manifest.environ,
+                "gen": self._manifest.gen + 1,
+            }
+        try:
+            if "error" in answer:
+                raise StateError(f"the kernel could not save: {answer['error']}")
+            if "too_large" in answer:
+                raise _too_large(answer)
+            await asyncio.to_thread(self._commit, answer)
+        except (StateError, OSError) as exc:
+            log.warning(
+                "agent %r: after-call checkpoint failed (checkpoints stop until the session's "
+                "next kernel; its saved state is deleted): %s",
+                self.agent_id,
+                exc,
+            )
+            await asyncio.to_thread(self._invalidate)
+            self._hook_broken = True
+            with contextlib.suppress(StateError):
+                await self._ask(run, generation, "forget", {})
+        finally:
+            await asyncio.to_thread(_clear_staging, self.staging)
+
+    def _commit(self, answer: dict[str, Any]) -> tuple[Manifest, int]:
+        sig = _files.signature(self.workdir)
+        files = self._files[1] if self._files is not None and self._files[0] == sig else None
+        unsaved = {str(k): str(v) for k, v in answer.get("unsaved", {}).items()}
+        if files is None and sig:
+            dest = self.store.new_files_path(self.agent_id, self.env)
+            try:
+                crc, size, skipped = _files.archive(self.workdir, dest, self.limit)
+            except BaseException:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(dest)
+                raise
+            files = {"file": dest.name, "size": size, "crc": crc, "skipped": skipped}
+        manifest = Manifest(
+            agent_id=self.agent_id,
+            env=self.env,
+            gen=int(answer.get("gen") or (self._manifest.gen + 1 if self._manifest else 1)),
+            saved_at=now_iso(),
+            records=list(answer.get("records", [])),
+            unsaved=unsaved,
+            environ=dict(answer.get("environ", {})),
+            files=files,
+        )
+        if manifest.size > self.limit:
+            raise CheckpointTooLargeError(
+                f"the checkpoint of agent {self.agent_id!r} ({manifest.size} bytes, the "
+                f"working directory's files included) passes max_checkpoint_bytes={self.limit}"
+            )
+        try:
+            written = self.store.commit(manifest, self.staging)
+        except OSError as exc:
+            raise StateError(f"saving the checkpoint failed: {exc}") from exc
+        self._manifest, self._files = manifest, (sig, files)
+        return manifest, written + (int(files["size"]) if files else 0)
+
+    async def _load_quietly(self) -> None:
+        if not self._loaded:
+            self._loaded = True
+            self._manifest, _ = await asyncio.to_thread(self.store.load, self.agent_id, self.env)
+
+    async def on_disk(self) -> Hibernation:
+        """What is saved now (the session has no kernel)."""
+        await self._load_quietly()
+        found = self._manifest
+        if found is None:
+            return Hibernation()
+        return Hibernation(saved=found.names, not_saved=found.unsaved, bytes=found.size)
+
+    # -- losing -------------------------------------------------------------------------------
+
+    def kernel_gone(self) -> None:
+        """The kernel went after a successful save: the next fresh kernel gets the state, read
+        from disk again then (what is restored is what the disk holds, checked)."""
+        self._loaded = False
+
+    async def invalidate(self) -> None:
+        """The kernel's state was lost another way (a crash, a failed save): the checkpoint
+        is stale and must never come back."""
+        await asyncio.to_thread(self._invalidate)
+
+    async def tombstone(self, names: list[str], why: str) -> None:
+        """Replace the checkpoint by one that reports ``names`` lost (with ``why``) on resume."""
+        manifest = Manifest(
+            agent_id=self.agent_id,
+            env=self.env,
+            gen=(self._manifest.gen + 1) if self._manifest else 1,
+            saved_at=now_iso(),
+            unsaved=dict.fromkeys(names, why),
+        )
+
+        def write() -> None:
+            self.store.invalidate(self.agent_id, self.env)
+            self.store.commit(manifest, None)
+
+        await asyncio.to_thread(write)
+        self._manifest, self._files = manifest, None
+
+    def deleted(self) -> None:
+        """The agent's state was deleted: nothing to restore."""
+        self._manifest, self._files, self._to_restore, self._loaded = None, None, False, True
+
+    def _invalidate(self) -> None:
+        self.store.invalidate(self.agent_id, self.env)
+        self._manifest, self._files, self._to_restore, self._loaded = None, None, False, True
+        self._installed_in = -1  # the kernel's memory of the last save is stale too
+
+    # -- talking to the kernel ----------------------------------------------------------------
+
+    async def _ask(self, run: Runner, generation: int, op: str, args: dict[str, Any]) -> Any:
+        meta: dict[str, Any] = {"op": op, "args": args}
+        if self._installed_in != generation:
+            meta["source"] = _source()
+            meta["hook"] = {
+                "staging": str(self.staging),
+                "limit": self.limit,
+                "on": self.checkpoint == "after_call" and not self._hook_broken,
+            }
+        request = ExecuteRequest(
+            code=_INSTALL,
+            silent=True,
+            store_history=False,
+            user_expressions={_KEY: f"__import__({ks.MODULE_NAME!r}).handle()"},
+            metadata={_META: meta},
+        )
+        try:
+            reply = await run(request, _TIMEOUT)
+        except Exception as exc:
+            raise StateError(f"the kernel did not answer: {exc}") from exc
+        entry = (reply.get("user_expressions") or {}).get(_KEY) or {}
+        if entry.get("status") != "ok":
+            why = entry.get("evalue") or reply.get("evalue") or "no answer"
+            raise StateError(f"the kernel side failed: {entry.get('ename', '')}: {why}")
+        self._installed_in = generation
+        text = (entry.get("data") or {}).get(ks.RESULT_MIME)
+        if not isinstance(text, str):
+            raise StateError("the kernel side gave no answer")
+        answer = json.loads(text)
+        if isinstance(answer, dict) and "error" in answer:
+            raise StateError(f"the kernel could not {op}: {answer['error']}")
+        return answer
+
+
+def _too_large(answer: dict[str, Any]) -> CheckpointTooLargeError:
+    biggest = ", ".join(f"{name} ({size} bytes)" for name, size in answer.get("biggest", []))
+    return CheckpointTooLargeError(
+        f"the checkpoint ({answer['too_large']} bytes) passes max_checkpoint_bytes="
+        f"{answer['limit']}; the biggest names: {biggest}"
+    )
+
+
+def _copy_out(source: Path, name: str, dir_fd: int) -> None:
+    fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd)
+    try:
+        with open(source, "rb") as src:
+            os.fchmod(fd, 0o644)
+            size = os.fstat(src.fileno()).st_size
+            offset = 0
+            while offset < size:
+                sent = os.sendfile(fd, src.fileno(), offset, size - offset)
+                if sent == 0:
+                    break
+                offset += sent
+    finally:
+        os.close(fd)
+
+
+def _clear_staging(staging: Path) -> None:
+    """Remove the staging directory, whatever the kernel left there (links are not followed)."""
+    try:
+        st = os.lstat(staging)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(staging, ignore_errors=True)
+    else:
+        os.unlink(staging)
