@@ -142,6 +142,19 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds per cell: for unrecorded ones (default 60), and the cap on recorded ones",
     )
     replay.add_argument("--json", action="store_true", help="print the report as JSON only")
+    replay.add_argument(
+        "--build-requirements",
+        action="store_true",
+        help="build the recorded venv's requirements when they are not in the cache: a "
+        "notebook is untrusted, and building runs its requirements' own code (under the "
+        "replay's isolation); without this flag such a replay stops before anything runs",
+    )
+    replay.add_argument(
+        "--isolation",
+        choices=("none", "process", "bwrap"),
+        default=None,
+        help="isolation of the replay's kernel (default: the backend's, 'process' locally)",
+    )
 
     tools = sub.add_parser("tools", help="tools authored in notebooks")
     tools_sub = tools.add_subparsers(dest="tools_command", required=True)
@@ -374,12 +387,16 @@ def _report_recording(ex: KernelExecutor, ns: argparse.Namespace) -> None:
 
 def _cmd_replay(ns: argparse.Namespace) -> int:
     from kernelexec._sync import replay
+    from kernelexec.backends import LocalBackend
 
-    print(f"replaying {ns.notebook} in a fresh kernel", file=sys.stderr)
-    if ns.timeout is None:
-        report = replay(ns.notebook)
-    else:
-        report = replay(ns.notebook, default_timeout=ns.timeout, max_timeout=ns.timeout)
+    options: dict[str, Any] = {"build_requirements": ns.build_requirements}
+    if ns.isolation is not None:
+        options["isolation"] = ns.isolation
+    if ns.timeout is not None:
+        options.update(default_timeout=ns.timeout, max_timeout=ns.timeout)
+    level = ns.isolation or LocalBackend.default_isolation
+    print(f"replaying {ns.notebook} in a fresh kernel at isolation={level!r}", file=sys.stderr)
+    report = replay(ns.notebook, **options)
     if ns.json:
         print(report.model_dump_json())
     else:

@@ -35,6 +35,7 @@ from kernelexec._notebooks._io import safe_filename
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import bootstrap_request
+from kernelexec._sandbox._build import BuildConfinement
 from kernelexec._tempdirs import make_owned_dir, sweep_once
 from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLaunch
@@ -92,7 +93,9 @@ class AsyncKernelExecutor:
         self.backend = _resolve_backend(backend, backend_options)
         self._workdir: PurePath | None = None
         self._check_env(self.config.env)
-        self.builder = EnvBuilder(self.config.cache_dir, self.config.installer, on_progress)
+        self.builder = EnvBuilder(
+            self.config.cache_dir, self.config.installer, on_progress, self._confinement()
+        )
         self._state = Lifecycle("the executor")
         # Sessions by (agent id, fingerprint). A session whose kernel was evicted is only
         # weakly held ("parked"): kept while its caller holds it, forgotten otherwise, so the
@@ -105,6 +108,7 @@ class AsyncKernelExecutor:
         # What forgotten sessions lost, told to their agent's next session (bounded).
         self._lost_by_agent: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
         self._dirs_used: set[str] = set()
+        self._dirs_made: set[str] = set()  # session directories this executor made
         self._pools: dict[str, KernelPool] = {}
         self._pool_locks: dict[str, asyncio.Lock] = {}
         self._tool_envs: dict[tuple[tuple[str, ...], str | None], VenvEnv] = {}
@@ -141,6 +145,13 @@ class AsyncKernelExecutor:
         # Room for max_kernels first: when the host cannot hold them, nothing is held yet.
         self.backend.reserve(self.config.max_kernels)
         self.backend.hold()
+
+    def _confinement(self) -> BuildConfinement:
+        """How tool-named requirements are built: under the kernels' own isolation."""
+        cfg = self.config
+        level = cfg.isolation or self.backend.default_isolation
+        network = cfg.network if cfg.network is not None else level != "bwrap"
+        return BuildConfinement(level=level, network=network)
 
     @property
     def loop(self) -> asyncio.AbstractEventLoop | None:
@@ -189,7 +200,14 @@ class AsyncKernelExecutor:
             env=kernel_env(cfg),
             interpreter=interpreter,
             isolation=cfg.isolation or self.backend.default_isolation,
-            limits=cfg.limits.given() if cfg.limits is not None else {},
+            limits={
+                **(cfg.limits.given() if cfg.limits is not None else {}),
+                **(
+                    {"memory_budget_mb": float(cfg.memory_budget_mb)}
+                    if cfg.memory_budget_mb is not None
+                    else {}
+                ),
+            },
             network=cfg.network,
             workdir=workdir,
         )
@@ -505,17 +523,27 @@ class AsyncKernelExecutor:
         self._dirs_used.discard(PurePath(session.workdir).name)
 
     def _session_dir(self, agent_id: str) -> PurePath:
+        """A session's directory: ``<workdir>/<agent id>``, or ``<agent id>-2``... when that
+        name is in use. On the host's filesystem the directory is made by this executor: one
+        that exists already (another executor sharing the workdir, or an earlier run) is never
+        taken over, so two executors never share a session's files."""
         assert self._workdir is not None
         base = safe_filename(agent_id)
-        name, n = base, 1
-        while name in self._dirs_used:
+        n = 1
+        while True:
+            name = base if n == 1 else f"{base}-{n}"
             n += 1
-            name = f"{base}-{n}"
-        self._dirs_used.add(name)
-        path = self._workdir / name
-        if isinstance(path, Path):
-            path.mkdir(parents=True, exist_ok=True)
-        return path
+            if name in self._dirs_used:
+                continue
+            path = self._workdir / name
+            if isinstance(path, Path) and name not in self._dirs_made:
+                try:
+                    path.mkdir()
+                except FileExistsError:
+                    continue
+                self._dirs_made.add(name)
+            self._dirs_used.add(name)
+            return path
 
     async def call_tool(
         self,

@@ -214,9 +214,13 @@ def _read_pipe(stream: Any, fid: int) -> None:
     try:
         data = os.read(fid, 1 << 16)
         while data and stream._should_watch:
+            # Read but not yet written to the stream (the write may wait for the stream's
+            # lock): the end of a run waits for it (``_wait_for_fd_output``).
+            stream._kx_unsent = True
             text = decoder.decode(data)
             if text:
                 stream.write(text)
+            stream._kx_unsent = False
             os.write(stream._original_stdstream_copy, data)
             data = os.read(fid, 1 << 16)
     except Exception:

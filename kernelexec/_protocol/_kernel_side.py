@@ -374,7 +374,11 @@ def _wait_for_fd_output(streams: list[Any]) -> None:
         except (OSError, ValueError):
             return
         if not readable:
-            break
+            # An empty pipe may mean the reader has just taken the last chunk: let it run
+            # (its write may have waited for the stream's lock) and mark it, then ask.
+            time.sleep(0)
+            if not any(getattr(s, "_kx_unsent", False) for s in streams):
+                break
         waited = True
         time.sleep(0.0005)
     if waited:

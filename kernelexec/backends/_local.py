@@ -41,7 +41,7 @@ from jupyter_client.manager import AsyncKernelManager
 
 from kernelexec import _proctitle
 from kernelexec._exceptions import ConfigError, KernelStartError
-from kernelexec._sandbox import _cgroups, _users
+from kernelexec._sandbox import _cgroups, _uids, _users
 from kernelexec._sandbox._bwrap import bwrap_argv
 from kernelexec._sandbox._launcher import launcher_argv, launcher_config
 from kernelexec._sandbox._plan import SandboxPlan, make_plan
@@ -198,6 +198,7 @@ class LocalBackend(KernelBackend):
         self.fork_server = enabled(fork_server)
         self._plans: dict[tuple[Any, ...], SandboxPlan] = {}
         self.forks = ForkServers()
+        self._budgets: dict[float, _cgroups.BudgetGroup] = {}
         self._reserved: list[int] = []  # max_kernels of each executor holding the backend
 
     def hold(self) -> None:
@@ -279,6 +280,9 @@ class LocalBackend(KernelBackend):
         if plan.use_cgroup and not _cgroups_swept:
             _cgroups_swept = True
             _cgroups.sweep_stale()  # groups that killed hosts left (their processes are gone)
+        budget = None
+        if plan.budget_mb:
+            budget = self._budgets.setdefault(plan.budget_mb, _cgroups.BudgetGroup(plan.budget_mb))
         conn = LocalConnection(
             python,
             self.extra_args,
@@ -286,6 +290,7 @@ class LocalBackend(KernelBackend):
             plan,
             launch.workdir,
             forks=self.forks if self.launch_kind(launch) == "fork server" else None,
+            budget=budget,
         )
         try:
             await asyncio.wait_for(conn.launch(), timeout)
@@ -315,6 +320,7 @@ class KernelTenant:
     workdir: str | None
     uid: int | None
     kdir: str
+    budget: _cgroups.BudgetGroup | None = None
 
 
 class LocalConnection(KernelConnection):
@@ -328,8 +334,12 @@ class LocalConnection(KernelConnection):
         plan: SandboxPlan | None = None,
         workdir: str | None = None,
         forks: ForkServers | None = None,
+        budget: _cgroups.BudgetGroup | None = None,
     ) -> None:
         self._python = python
+        self._budget = budget
+        self._in_budget = False
+        self._owns_uid = False  # a branch runs as its family's uid: the first kernel's
         self._forks = forks
         self._forked: ForkedProcess | None = None
         self.launched_by = ""
@@ -365,17 +375,15 @@ class LocalConnection(KernelConnection):
         env = dict(self._env)
         if plan is not None:
             if plan.own_user:
-                self._uid = _users.uid_for(kdir)
+                self._uid = await asyncio.to_thread(_uids.allocate)
+                self._owns_uid = True
                 _users.hand_over(kdir, self._uid)
                 if self._workdir:
                     _users.allow_search(self._workdir)
             env["HOME"] = kdir
             env.update(plan.extra_env)
             if plan.use_cgroup:
-                try:
-                    self._cgroup = _cgroups.KernelCgroup.create(plan.cgroup_limits)
-                except OSError as exc:
-                    raise KernelStartError(f"could not set up the kernel's cgroup: {exc}") from exc
+                self._new_cgroup(plan, "kernel")
         own_user = plan is not None and plan.own_user
         env["PATH"] = _users.kernel_path(self._python, env.get("PATH"), own_user=own_user)
         env["IPYTHONDIR"] = os.path.join(kdir, "ipython")
@@ -396,6 +404,7 @@ class LocalConnection(KernelConnection):
                         chdir=kdir,
                         network=plan.network,
                         uid=self._uid,
+                        tmp_mb=plan.scratch_mb,
                     ),
                     *argv,
                 ]
@@ -522,7 +531,23 @@ class LocalConnection(KernelConnection):
             uid=None if bwrap else self._uid,
             host_pid=parent,
             bridges=plan.bridges(kdir, self._workdir),
+            scratch=plan.scratch(kdir, self._workdir),
+            no_userns=plan.no_userns,
         )
+
+    def _new_cgroup(self, plan: SandboxPlan, what: str) -> None:
+        """Make the kernel's cgroup (its memory group in the executor's budget).
+
+        Raises:
+            KernelStartError: the group could not be made.
+        """
+        try:
+            if self._budget is not None and not self._in_budget:
+                self._budget.enter()
+                self._in_budget = True
+            self._cgroup = _cgroups.KernelCgroup.create(plan.cgroup_limits, self._budget)
+        except OSError as exc:
+            raise KernelStartError(f"could not set up the {what}'s cgroup: {exc}") from exc
 
     def diagnostics(self, limit: int = 2000) -> str:
         return stderr_tail(self._stderr, "kernel stderr", limit)
@@ -537,6 +562,7 @@ class LocalConnection(KernelConnection):
             self._workdir,
             self._uid,
             self._dir,
+            self._budget,
         )
 
     def connection_info(self) -> dict[str, Any] | None:
@@ -695,8 +721,13 @@ class LocalConnection(KernelConnection):
         if code is None:
             return None
         limit = ""
-        if self._cgroup is not None and self._plan is not None and self._cgroup.oom_kills():
-            limit = self._plan.limit_of("memory_mb")
+        cgroup, plan, budget = self._cgroup, self._plan, self._budget
+        if cgroup is not None and plan is not None and cgroup.oom_kills():
+            # Killed by the OOM killer without ever reaching its own limit: the budget's.
+            if budget is not None and not cgroup.reached_own_limit():
+                limit = f"memory_budget_mb={budget.budget_mb:g} (the executor's kernels together)"
+            else:
+                limit = plan.limit_of("memory_mb")
         self._died = KernelDied(describe_exit(code), self.diagnostics(), limit)
         return self._died
 
@@ -812,7 +843,14 @@ class LocalConnection(KernelConnection):
                 await asyncio.to_thread(cgroup.remove)
             except Exception as exc:
                 log.warning("removing a kernel's cgroup failed: %r", exc)
+        if self._in_budget and self._budget is not None:
+            self._in_budget = False
+            try:
+                self._budget.leave()
+            except Exception as exc:
+                log.warning("removing the executor's memory budget group failed: %r", exc)
         uid, self._uid = self._uid, None
+        owned, self._owns_uid = self._owns_uid, False
         entered, self._entered = self._entered, set()
         if uid is not None:
             for path in entered:
@@ -834,6 +872,13 @@ class LocalConnection(KernelConnection):
         if self._dir:
             _remove_dir(self._dir)
             self._dir = ""
+        if uid is not None and owned:
+            # Only now: the uid's processes are gone and its files handed back or removed.
+            shared = self._plan is None or not self._plan.scratch_mb
+            try:
+                await asyncio.to_thread(_uids.release, uid, shared)
+            except Exception as exc:
+                log.warning("releasing uid %d failed: %r", uid, exc)
         _remove_left_dirs()
 
     async def _stop_launcher(self, km: AsyncKernelManager) -> None:
