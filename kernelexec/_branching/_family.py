@@ -136,6 +136,13 @@ class Brancher:
             if tenant.uid is not None:
                 await asyncio.to_thread(_users.hand_over, tdir, tenant.uid)
             control = os.path.join(tdir, "c")
+            # A branch's ipc sockets sit one directory deeper than its parent's
+            # (<kernel dir>/bXXXXXXXX/s-5): say so plainly instead of "AF_UNIX path too long".
+            if len(os.fsencode(os.path.join(tenant.kdir, "bXXXXXXXX", "s-5"))) > 107:
+                raise BranchError(
+                    f"the temp directory {os.path.dirname(tenant.kdir)!r} is too long for a "
+                    "branch's ipc sockets (at most 107 bytes); point TMPDIR at a shorter one"
+                )
             forked = await _process.fork_template(conn, control, self._timeout)
             template = Template(
                 forked.pid,
