@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check docs dist ci bench soak bwrap clean browser
+.PHONY: demo test check docs dist ci bench soak bwrap clean browser suites
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,7 +25,13 @@ bwrap:
 
 # The suite runs twice: on the fast paths (tool calls served by the kernel side, kernels forked
 # from a fork server), then on the fallbacks (execute requests, plain launches).
-test: $(STAMP) bwrap browser
+# The agent frameworks' own test suites ship in their sdists, not their wheels: fetched once
+# into .cache/suites (from the package index); without them those tests skip and say why.
+suites: $(STAMP)
+	@$(BIN)/python tests/fetch_suites.py .cache/suites >/dev/null \
+		|| echo "could not fetch the frameworks' test suites: those tests will skip"
+
+test: $(STAMP) bwrap browser suites
 	$(BIN)/python -m pytest -q -n 2 tests
 	KERNELEXEC_FAST_CALLS=0 KERNELEXEC_NO_FORK_SERVER=1 \
 		$(BIN)/python -m pytest -q -n 2 -p no:cacheprovider tests
@@ -63,4 +69,4 @@ soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site dist
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site dist .cache

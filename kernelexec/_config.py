@@ -72,6 +72,12 @@ class ExecutorConfig(BaseModel):
             (a plain process of the host user); None: the backend's default (``"process"`` for
             the local backend). See the README's Security model.
         limits: Resource limits per kernel (None: the defaults; not allowed with ``"none"``).
+        memory_budget_mb: Memory of all of this executor's kernels together, in MiB (a parent
+            cgroup holding their groups). None: three quarters of the host's memory where a
+            cgroup memory controller is writable, else no budget. When the kernels together
+            reach it, the kernel using the most memory is killed and its run fails with
+            ``kind="limit_exceeded"`` naming ``memory_budget_mb``; its next run gets a fresh
+            kernel. Needs ``"process"`` or ``"bwrap"``.
         network: Whether kernels may use the network; None: off under ``"bwrap"`` (loopback
             only), on otherwise. ``False`` needs ``"bwrap"``.
         attachable: Register each session's kernel (its connection file, mode 0600, in a
@@ -121,6 +127,7 @@ class ExecutorConfig(BaseModel):
     record_dir: Path | None = None
     isolation: Literal["none", "process", "bwrap"] | None = None
     limits: Limits | None = None
+    memory_budget_mb: int | None = Field(None, ge=128)
     network: bool | None = None
     attachable: bool = False
     fast_calls: bool = True
@@ -161,6 +168,8 @@ class ExecutorConfig(BaseModel):
             object.__setattr__(self, "record", True)
         if self.isolation == "none" and self.limits is not None and self.limits.given():
             raise ValueError("limits need isolation 'process' or 'bwrap', not 'none'")
+        if self.isolation == "none" and self.memory_budget_mb is not None:
+            raise ValueError("memory_budget_mb needs isolation 'process' or 'bwrap', not 'none'")
         if self.network is False and self.isolation not in ("bwrap", None):
             raise ValueError(
                 f"network=False needs isolation='bwrap' (a network namespace); "

@@ -6,7 +6,9 @@ mean misuse of the API or a broken environment::
     KernelExecError
     ├── ConfigError (ValueError)              bad executor or tool configuration
     │   ├── ToolDefinitionError               a Tool could not be built from what was given
-    │   └── NotebookError                     a notebook could not be read or used
+    │   ├── NotebookError                     a notebook could not be read or used
+    │   ├── RequirementsMissingError          a session's environment lacks a tool's requirements
+    │   └── HostLimitError                    this host's limits cannot hold max_kernels
     ├── ExecutorClosedError (RuntimeError)    use after close
     ├── PoolExhaustedError (RuntimeError)     every kernel busy and max_kernels reached
     ├── KernelStartError (RuntimeError)       a kernel did not start or become ready
@@ -52,8 +54,30 @@ class ToolDefinitionError(ConfigError):
     """A :class:`~kernelexec.Tool` could not be built (no function, unparsable source, ...)."""
 
 
+class RequirementsMissingError(ConfigError):
+    """A tool was called in a session whose environment does not provide the tool's
+    ``pip_requirements``; the message names the environment and what is missing.
+
+    Attributes:
+        missing: The requirement lines the session's environment does not satisfy.
+    """
+
+    def __init__(self, message: str, missing: tuple[str, ...] = ()) -> None:
+        super().__init__(message)
+        self.missing = missing
+
+    def __reduce__(self) -> tuple[type[RequirementsMissingError], tuple[str, tuple[str, ...]]]:
+        return (type(self), (str(self), self.missing))
+
+
 class NotebookError(ConfigError):
     """A notebook could not be read, is not valid, or lacks what was asked of it."""
+
+
+class HostLimitError(ConfigError):
+    """The host cannot hold ``max_kernels`` kernels: a limit the process may not raise (the
+    hard ``RLIMIT_NOFILE``) is too low. The message says how many are needed, how many the
+    limit allows and what to change."""
 
 
 class ExecutorClosedError(KernelExecError, RuntimeError):

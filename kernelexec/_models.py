@@ -69,6 +69,11 @@ class Limits(BaseModel):
             which ipykernel needs).
         max_file_mb: Largest file a process may write, in MiB (``RLIMIT_FSIZE``: writing past
             it raises ``OSError`` "File too large"; it bounds one file, not the disk).
+        max_disk_mb: What the kernel may write to its private scratch space (``/tmp``,
+            ``/var/tmp`` and ``/dev/shm``, one size-capped tmpfs at ``"process"`` on a root
+            host, two at ``"bwrap"``), in MiB: writing past it fails with ``ENOSPC``. Needs a
+            mount namespace (``"bwrap"``, or ``"process"`` on a root host). See
+            ``docs/security.md`` for what it does not cover.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -78,6 +83,7 @@ class Limits(BaseModel):
     max_processes: int | None = Field(None, ge=32)
     max_open_files: int | None = Field(None, ge=128)
     max_file_mb: int | None = Field(None, ge=1)
+    max_disk_mb: int | None = Field(None, ge=16)
 
     def __init__(self, **data: Any) -> None:
         try:

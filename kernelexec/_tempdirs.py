@@ -53,7 +53,14 @@ def make_owned_dir(prefix: str) -> str:
     """``tempfile.mkdtemp(prefix=...)`` (mode 0700) with an ``.owner`` file naming this process."""
     path = tempfile.mkdtemp(prefix=prefix)
     pid = os.getpid()
-    Path(path, OWNER_FILE).write_text(f"{pid} {_start_time(pid)}\n")
+    try:
+        Path(path, OWNER_FILE).write_text(f"{pid} {_start_time(pid)}\n")
+    except BaseException:  # out of descriptors, say: no directory left without its owner
+        with contextlib.suppress(OSError):
+            os.unlink(os.path.join(path, OWNER_FILE))
+        with contextlib.suppress(OSError):
+            os.rmdir(path)  # needs no descriptor, as rmtree would
+        raise
     return path
 
 

@@ -13,6 +13,7 @@ import psutil
 import pytest
 
 import kernelexec as kx
+from tests import procs
 
 _TEMP_ROOT: str | None = None
 
@@ -34,39 +35,38 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 def kernel_children() -> set[int]:
-    """Pids of the kernels this test process started: ipykernel processes whose parent is this
-    process, or kernelexec's launcher (isolation "process"/"bwrap") whose child the kernel is;
-    a launcher without its kernel counts itself; so do kernels forked by a fork server (see
-    :func:`forked_kernels`)."""
+    """Pids of the kernels this test process started: kernels whose parent is this process,
+    or kernelexec's launcher (isolation "process"/"bwrap") whose child the kernel is; a
+    launcher without its kernel counts itself; so do kernels forked by a fork server (see
+    :func:`forked_kernels`). Processes are told apart by their titles (``tests.procs.kind``)."""
     found = set()
     for child in psutil.Process().children():
         try:
-            cmdline = child.cmdline()
-            if "ipykernel" not in " ".join(cmdline):
-                continue
-            if any(arg.startswith(FORK_SERVER) for arg in cmdline):
+            what = procs.kind(child)
+            if what == "fork server":
                 found |= forked_kernels(child)
-            elif any(arg.startswith("# kernelexec launcher") for arg in cmdline):
+            elif what == "launcher":
                 kernels = {k.pid for k in child.children()}
                 found |= kernels or {child.pid}
-            else:
+            elif what == "kernel":
                 found.add(child.pid)
         except psutil.Error:
             continue
     return found
 
 
-FORK_SERVER = "# kernelexec fork server"
+FORK_SERVER = procs.FORK_SERVER
 
 
 def forked_kernels(server: psutil.Process) -> set[int]:
-    """The kernels under a fork server: its children, or, for a child that is a launcher
-    (forked processes all show the server's command line; a launcher is single-threaded), the
-    launcher's first child (a launcher without its kernel counts itself)."""
+    """The kernels under a fork server: its children, or, for a child that is a launcher, the
+    launcher's first child (a launcher without its kernel counts itself). A child not titled
+    yet still shows the server's title: a launcher is then told by being single-threaded."""
     found = set()
     for child in server.children():
         try:
-            if child.num_threads() > 1:
+            what = procs.kind(child)
+            if what == "kernel" or (what != "launcher" and child.num_threads() > 1):
                 found.add(child.pid)
                 continue
             with open(f"/proc/{child.pid}/task/{child.pid}/children") as fh:
@@ -79,14 +79,7 @@ def forked_kernels(server: psutil.Process) -> set[int]:
 
 def fork_servers() -> set[int]:
     """Pids of the fork servers this test process started."""
-    found = set()
-    for child in psutil.Process().children():
-        try:
-            if any(arg.startswith(FORK_SERVER) for arg in child.cmdline()):
-                found.add(child.pid)
-        except psutil.Error:
-            continue
-    return found
+    return procs.of_kind(os.getpid(), "fork server")
 
 
 def our_temp_dirs() -> set[str]:
@@ -166,20 +159,27 @@ def wait_exited(pid: int, timeout: float = 15.0) -> bool:
             return False
         return True
     try:
-        readable, _, _ = select.select([fd], [], [], timeout)
-        return bool(readable)
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(timeout * 1000))
     finally:
         os.close(fd)
 
 
 def kernels_matching(text: str) -> list[psutil.Process]:
-    """Every running ipykernel process on the machine whose command line contains ``text``
-    (an exited process its new parent, init, has not reaped yet does not count)."""
+    """Every running kernel or launcher on the machine whose command line, working directory
+    or environment mentions ``text`` (kernels show a title, not their paths, in their command
+    line); an exited process its new parent, init, has not reaped yet does not count."""
     found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        cmdline = " ".join(proc.info["cmdline"] or [])
+    for proc in psutil.process_iter(["status"]):
         if proc.info["status"] == psutil.STATUS_ZOMBIE:
             continue
-        if "ipykernel" in cmdline and text in cmdline:
+        try:
+            if procs.kind(proc) not in ("kernel", "launcher"):
+                continue
+            places = [procs.title(proc), proc.cwd(), *proc.environ().values()]
+        except psutil.Error:
+            continue
+        if any(text in place for place in places):
             found.append(proc)
     return found

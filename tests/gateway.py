@@ -196,6 +196,9 @@ class TcpProxy:
 
     def __init__(self, target_port: int) -> None:
         self.target_port = target_port
+        self.drop_websockets = False
+        """When True, a connection whose first bytes ask for a websocket upgrade is closed
+        before anything is answered (REST requests still pass)."""
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = int(self._server.getsockname()[1])
         self._lock = threading.Lock()
@@ -214,16 +217,27 @@ class TcpProxy:
                 client, _ = self._server.accept()
             except OSError:
                 return
-            try:
-                upstream = socket.create_connection(("127.0.0.1", self.target_port))
-            except OSError:
-                client.close()
-                continue
-            with self._lock:
-                self.accepted += 1
-                self._open += [client, upstream]
-            for a, b in ((client, upstream), (upstream, client)):
-                threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+            threading.Thread(target=self._relay, args=(client,), daemon=True).start()
+
+    def _relay(self, client: socket.socket) -> None:
+        try:
+            first = client.recv(65536)
+        except OSError:
+            first = b""
+        if not first or (self.drop_websockets and b"upgrade: websocket" in first.lower()):
+            client.close()
+            return
+        try:
+            upstream = socket.create_connection(("127.0.0.1", self.target_port))
+            upstream.sendall(first)
+        except OSError:
+            client.close()
+            return
+        with self._lock:
+            self.accepted += 1
+            self._open += [client, upstream]
+        for a, b in ((client, upstream), (upstream, client)):
+            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
 
     @staticmethod
     def _pump(src: socket.socket, dst: socket.socket) -> None:

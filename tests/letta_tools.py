@@ -299,3 +299,18 @@ def where_am_i() -> str:
     import os
 
     return os.getcwd()
+
+
+def upper_block(label: str, agent_state: "AgentState") -> str:
+    """Upper-case a memory block through the agent state's own methods.
+
+    Args:
+        label: The block's label.
+    """
+    agent_state.set_block(label, agent_state.get_block(label).upper())
+    return agent_state.get_block(label)
+
+
+def not_a_number() -> list:
+    """Return what JSON spells NaN and Infinity."""
+    return [float("nan"), float("inf"), -float("inf"), 1.5]

@@ -40,3 +40,47 @@ def mentioning(text: str) -> list[psutil.Process]:
         except psutil.Error:
             continue
     return found
+
+
+FORK_SERVER = "kernelexec fork server"
+LAUNCHER = "kernelexec launcher"
+KERNEL = "kernelexec kernel"
+_SOURCE_MARKS = {FORK_SERVER: "# kernelexec fork server", LAUNCHER: "# kernelexec launcher"}
+"""What the command line holds for the moment before a process titles itself (its source)."""
+
+
+def title(proc: psutil.Process) -> str:
+    """The command line as ``ps`` shows it (arguments joined by spaces)."""
+    return " ".join(proc.cmdline())
+
+
+def kind(proc: psutil.Process) -> str | None:
+    """Which of kernelexec's processes ``proc`` is: ``"fork server"``, ``"launcher"`` or
+    ``"kernel"`` (by its title, or by its source before it has titled itself), else None.
+
+    Raises:
+        psutil.Error: the process is gone or cannot be read.
+    """
+    shown = title(proc)
+    for name, what in ((FORK_SERVER, "fork server"), (LAUNCHER, "launcher")):
+        if shown.startswith(name) or _SOURCE_MARKS[name] in shown:
+            return what
+    if shown.startswith(KERNEL) or "ipykernel" in shown:
+        return "kernel"
+    return None
+
+
+def of_kind(ppid: int, what: str) -> set[int]:
+    """Pids of the children of ``ppid`` that are kernelexec's ``what`` (see :func:`kind`)."""
+    found = set()
+    try:
+        kids = psutil.Process(ppid).children()
+    except psutil.NoSuchProcess:
+        return found
+    for child in kids:
+        try:
+            if kind(child) == what:
+                found.add(child.pid)
+        except psutil.Error:
+            continue
+    return found

@@ -119,7 +119,7 @@ def test_sessions_lists_a_live_executor_of_another_process(
     assert entry["calls"] == 1
     assert entry["backend"] == "local"
     assert len(entry["fingerprint"]) == 16
-    assert b"ipykernel" in _cmdline(entry["kernel_pid"])
+    assert _cmdline(entry["kernel_pid"]).startswith(b"kernelexec kernel agent-7 [")
     registry = Path(env["KERNELEXEC_RUNTIME_DIR"]) / "sessions"
     assert stat.S_IMODE(registry.stat().st_mode) == 0o700
     files = sorted(registry.iterdir())

@@ -172,6 +172,15 @@ def test_debugger_in_jupyterlab(lab: Lab, tmp_path: Path) -> None:
             )
             try:
                 page = browser.new_page(viewport={"width": 1280, "height": 1500})
+                errors: list[str] = []
+                page.on("pageerror", lambda exc: errors.append(f"page error: {exc}"))
+                page.on(
+                    "console",
+                    lambda msg: errors.append(msg.text) if msg.type == "error" else None,
+                )
+                # The notebook's own file at the debugger's default export name.
+                users = lab.root / "debug.ipynb"
+                users.write_text("the user's notebook")
                 _run_notebook(page, lab)
                 debugger = page.locator(".jp-OutputArea-output .kx-debugger")
                 expect(debugger.or_(page.get_by_text("Error displaying widget"))).to_be_visible(
@@ -192,6 +201,13 @@ def test_debugger_in_jupyterlab(lab: Lab, tmp_path: Path) -> None:
                 debugger.get_by_role("tab", name="Variables").click()
                 expect(debugger.locator(".kx-variables")).to_contain_text("word_stats")
                 debugger.get_by_role("tab", name="History").click()
+                # Export: the user's file at the default name is left alone.
+                debugger.get_by_role("button", name="Export notebook", exact=True).click()
+                expect(debugger).to_contain_text("wrote debug-1.ipynb")
+                assert users.read_text() == "the user's notebook"
+                assert (lab.root / "debug-1.ipynb").exists()
+                # No render threw (a CSS class with a space makes classList.add throw).
+                assert [e for e in errors if "kx-" in e or "token" in e.lower()] == [], errors
                 shot = tmp_path / "tool-debugger.png"
                 debugger.screenshot(path=str(shot))
                 assert shot.stat().st_size > 10_000

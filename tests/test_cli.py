@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -136,6 +137,40 @@ def test_repl_keeps_state_across_inputs() -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert "42" in proc.stdout
+
+
+@pytest.mark.slow
+def test_repl_ctrl_c_interrupts_the_code_and_exit_leaves() -> None:
+    """As in Python's REPL: Ctrl-C while code runs interrupts it (the kernel and its state
+    live on), and ``exit`` leaves the REPL instead of killing the kernel."""
+    pexpect = pytest.importorskip("pexpect")
+    child = pexpect.spawn(
+        sys.executable,
+        ["-m", "kernelexec", "repl"],
+        encoding="utf-8",
+        timeout=90,
+        env={**os.environ, "TERM": "dumb"},
+        dimensions=(24, 200),
+    )
+    try:
+        child.expect_exact(">>> ")
+        child.sendline("x = 41")
+        child.expect_exact(">>> ")
+        # The marker is built in the kernel, so the echo of the line cannot match it.
+        child.sendline("import time; print('wait' + 'ing', flush=True); time.sleep(600)")
+        child.expect_exact("waiting")
+        child.sendintr()
+        child.expect_exact("KeyboardInterrupt")
+        child.expect_exact(">>> ")
+        child.sendline("x + 1")
+        child.expect_exact("42")
+        child.expect_exact(">>> ")
+        child.sendline("exit")
+        child.expect(pexpect.EOF)
+    finally:
+        child.close(force=True)
+    assert child.exitstatus == 0, child.before
+    assert "Traceback" not in (child.before or "")
 
 
 def test_record_then_replay(tool_file: Path, tmp_path: Path) -> None:

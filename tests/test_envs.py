@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -124,6 +125,36 @@ def test_tool_imports_its_package_in_its_venv_while_the_host_cannot(
     with kx.KernelExecutor(cache_dir=cache_dir, on_progress=events.append) as ex:
         assert ex.call_tool(tool, {"name": "kxdemo"}).func_return["version"] == "1.2.3"
     assert [e.phase for e in events] == ["reused"]
+
+
+def test_session_call_tool_refuses_a_tool_whose_requirements_its_env_lacks(
+    kxdemo: Path, cache_dir: Path
+) -> None:
+    tool = kx.Tool.from_source(USE_PACKAGE, pip_requirements=[str(kxdemo)])
+    with kx.KernelExecutor(cache_dir=cache_dir) as ex:
+        session = ex.session("a")
+        with pytest.raises(kx.RequirementsMissingError) as info:
+            session.call_tool(tool, {"name": "kxdemo"})
+        message = str(info.value)
+        assert "'a'" in message and "LocalEnv" in message and str(kxdemo) in message
+        assert info.value.missing == (str(kxdemo),)
+        assert isinstance(info.value, kx.ConfigError)
+        assert ex.kernel_count == 0  # refused before anything started
+        # The session the executor would use for this tool has them.
+        own = ex.session("a", ex.env_for(tool))
+        assert own.call_tool(tool, {"name": "kxdemo"}).func_return["version"] == "1.2.3"
+        # A requirement the host's interpreter satisfies runs in the host's session.
+        packaging_version = importlib.metadata.version("packaging")
+        host_tool = kx.Tool.from_source(
+            USE_PACKAGE.replace("module.VERSION", "module.__version__"),
+            pip_requirements=[f"packaging=={packaging_version}"],
+        )
+        ran = session.call_tool(host_tool, {"name": "packaging"})
+        assert ran.ok, ran.error
+        assert ran.func_return["version"] == packaging_version
+        wrong = host_tool.model_copy(update={"pip_requirements": ["packaging<1"]})
+        with pytest.raises(kx.RequirementsMissingError, match="packaging<1"):
+            session.call_tool(wrong, {"name": "packaging"})
 
 
 def test_executor_default_env_and_sessions_per_env(

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import logging
 import os
 import subprocess
@@ -14,6 +15,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import nbformat
 import psutil
 import pytest
 
@@ -152,6 +154,28 @@ def test_env_scoping(gateway: Gateway, monkeypatch: pytest.MonkeyPatch) -> None:
         )
         assert per_call.result == "'only now'"
         assert ex.run_code("import os; 'KX_GW_CALL' in os.environ").result == "False"
+
+
+def test_executor_env_vars_reach_kernels_the_gateway_does_not_whitelist(
+    gateway: Gateway,
+) -> None:
+    # The gateway passes on only KG_ENV_WHITELIST (EXEC_VAR here); the executor's env_vars
+    # must reach the kernel all the same, in code, in tool calls and after a restart.
+    probe = kx.Tool.from_source(
+        "def probe() -> str:\n    import os\n    return os.environ.get('KX_SET', 'unset')\n"
+    )
+    with kx.KernelExecutor(
+        backend=backend(gateway), env_vars={"KX_SET": "s1"}, default_timeout=30
+    ) as ex:
+        s = ex.session()
+        assert s.run_code("import os; os.environ.get('KX_SET')").result == "'s1'"
+        assert ex.session("tools").call_tool(probe).func_return == "s1"
+        per_call = s.run_code("os.environ['KX_SET']", env_vars={"KX_SET": "call"})
+        assert per_call.result == "'call'"
+        assert s.run_code("os.environ['KX_SET']").result == "'s1'"
+        died = s.run_code("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
+        assert died.kernel_restarted
+        assert s.run_code("import os; os.environ.get('KX_SET')").result == "'s1'"
 
 
 def test_recording_and_replay(gateway: Gateway, tmp_path: Path) -> None:
@@ -325,6 +349,50 @@ def test_websocket_dropped_mid_call_reconnects_and_finishes(gateway: Gateway) ->
         proxy.close()
 
 
+def test_a_broken_websocket_handshake_is_kernelexecs_own_error(gateway: Gateway) -> None:
+    # The proxy closes every websocket upgrade unanswered: the websockets library raises its
+    # own InvalidMessage, which must never reach the caller.
+    proxy = TcpProxy(gateway.port)
+    proxy.drop_websockets = True
+    try:
+        with kx.KernelExecutor(
+            backend=GatewayBackend(proxy.url, token=gateway.token), default_timeout=30
+        ) as ex:
+            with pytest.raises(kx.KernelStartError) as info:
+                ex.run_code("1")
+            assert type(info.value).__module__.startswith("kernelexec")
+            assert proxy.url in str(info.value)
+    finally:
+        proxy.close()
+
+
+def test_a_websocket_that_cannot_reconnect_mid_call_is_a_kernel_death(gateway: Gateway) -> None:
+    proxy = TcpProxy(gateway.port)
+    try:
+        be = GatewayBackend(proxy.url, token=gateway.token, reconnect_timeout=1)
+        with kx.KernelExecutor(backend=be, default_timeout=30) as ex:
+            s = ex.session()
+            s.run_code("x = 7")
+
+            def cut(text: str) -> None:
+                if "before" in text:
+                    proxy.drop_websockets = True
+                    proxy.cut()
+
+            r = s.run_code(
+                "import time\nprint('before', flush=True)\ntime.sleep(60)", on_stdout=cut
+            )
+            assert r.error is not None and r.error.kind == "kernel_died", r.error
+            assert "could not reconnect" in r.error.evalue
+            assert "no fresh kernel could be started" in r.error.evalue
+            proxy.drop_websockets = False
+            back = s.run_code("'x' in globals()")
+            assert back.result == "False"
+            assert back.kernel_restarted and back.lost_variables == ["x"]
+    finally:
+        proxy.close()
+
+
 @pytest.mark.slow
 def test_gateway_stopped_mid_session_and_back() -> None:
     with Gateway() as gw:
@@ -341,6 +409,40 @@ def test_gateway_stopped_mid_session_and_back() -> None:
             assert r.result == "False"
             assert r.kernel_restarted and r.lost_variables == ["x"]
             assert gw.kernels() != []
+        assert gw.kernels() == []
+
+
+@pytest.mark.slow
+def test_gateway_killed_mid_call_gives_a_result_and_the_next_call_says_what_was_lost(
+    tmp_path: Path,
+) -> None:
+    with Gateway() as gw:
+        be = GatewayBackend(gw.url, token=gw.token, reconnect_timeout=1)
+        with kx.KernelExecutor(backend=be, default_timeout=30, record_dir=tmp_path) as ex:
+            s = ex.session("a")
+            assert s.run_code("x = 1").ok
+            r = s.run_code(
+                "import time\nprint('running', flush=True)\ntime.sleep(60)",
+                on_stdout=lambda text: gw.kill() if "running" in text else None,
+            )
+            assert r.error is not None and r.error.kind == "kernel_died", r.error
+            assert gw.url in r.error.evalue and "(x)" in r.error.evalue
+            assert r.stdout == "running\n"
+            assert not r.kernel_restarted  # no kernel could be started yet
+            # While the gateway is down, a call cannot start a kernel: it says so, and the
+            # lost state is still owed to the call that gets one.
+            with pytest.raises(kx.KernelStartError, match="unreachable"):
+                s.run_code("x")
+            gw.start()
+            back = s.run_code("'x' in globals()")
+            assert back.result == "False"
+            assert back.kernel_restarted and back.lost_variables == ["x"]
+            path = s.record_path
+        assert path is not None
+        cells = [c for c in nbformat.read(path, as_version=4).cells if c.cell_type == "code"]
+        sources = [c.source for c in cells]
+        assert sources[:2] == ["x = 1", "import time\nprint('running', flush=True)\ntime.sleep(60)"]
+        assert any("kernel_died" in json.dumps(c.metadata) for c in cells)
         assert gw.kernels() == []
 
 

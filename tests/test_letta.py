@@ -480,3 +480,72 @@ async def test_agent_secrets_are_read_from_a_plain_object(executor: None) -> Non
     result, _ = await run(tools.get_env, agent_state=plain)  # type: ignore[arg-type]
     assert result.func_return == "plain"
     assert result.agent_state is None
+
+
+STATE_MODULE = """
+from pydantic import BaseModel
+
+
+class KxBlocks(BaseModel):
+    id: str
+    blocks: dict[str, str] = {}
+
+    def get_block(self, label: str) -> str:
+        return self.blocks[label]
+
+    def set_block(self, label: str, value: str) -> None:
+        self.blocks[label] = value
+"""
+
+
+@pytest.fixture
+def state_class() -> Iterator[tuple[type[Any], str]]:
+    """A pydantic agent-state class with methods, in a directory other users may read (so a
+    kernel with its own user can too) that is on none of the kernel's paths."""
+    import shutil
+    import sys
+    import tempfile
+    import uuid
+
+    where = tempfile.mkdtemp(prefix="kx-letta-state-", dir="/tmp")
+    os.chmod(where, 0o755)
+    name = f"kxstate_{uuid.uuid4().hex[:8]}"
+    path = Path(where) / f"{name}.py"
+    path.write_text(STATE_MODULE)
+    os.chmod(path, 0o644)
+    sys.path.insert(0, where)
+    try:
+        module = importlib.import_module(name)
+        yield module.KxBlocks, where
+    finally:
+        sys.path.remove(where)
+        sys.modules.pop(name, None)
+        shutil.rmtree(where, ignore_errors=True)
+
+
+@pytest.mark.parametrize("how", ["sandbox_dir", "PYTHONPATH"])
+async def test_agent_state_importable_from_sandbox_dir_or_pythonpath_keeps_its_methods(
+    executor: None, state_class: tuple[type[Any], str], how: str
+) -> None:
+    cls, where = state_class
+    state = cls(id=f"agent-state-{how}", blocks={"human": "sarah"})
+    kwargs: dict[str, Any] = {}
+    if how == "sandbox_dir":
+        kwargs["sandbox_config"] = SandboxConfig(config={"sandbox_dir": where})
+    else:
+        kwargs["sandbox_env_vars"] = {"PYTHONPATH": where}
+    result, _ = await run(tools.upper_block, {"label": "human"}, agent_state=state, **kwargs)
+    assert result.status == "success", result.stderr
+    assert result.func_return == "SARAH"
+    assert isinstance(result.agent_state, cls)
+    assert result.agent_state.get_block("human") == "SARAH"
+
+
+async def test_non_finite_floats_come_back_as_floats(executor: None) -> None:
+    import math
+
+    result, _ = await run(tools.not_a_number)
+    assert result.status == "success", result.stderr
+    nan, inf, ninf, plain = result.func_return
+    assert isinstance(nan, float) and math.isnan(nan)
+    assert (inf, ninf, plain) == (math.inf, -math.inf, 1.5)

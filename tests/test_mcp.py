@@ -7,6 +7,7 @@ leak checks here look at the server's children (and at the temp dir it was given
 from __future__ import annotations
 
 import base64
+import contextlib
 import json
 import os
 import queue
@@ -40,8 +41,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
 from kernelexec._cli._main import main
-from tests.conftest import FORK_SERVER
-from tests.procs import children
+from tests.procs import children, of_kind
 
 pytestmark = pytest.mark.anyio
 
@@ -99,10 +99,10 @@ def kernels_of(pid: int) -> set[int]:
     """Pids of kernel processes (or their launchers) whose parent is ``pid``, or a fork server
     of ``pid`` (forked kernels carry the server's command line)."""
     found = set()
-    for child in children(pid, b"ipykernel"):
-        if child in children(pid, FORK_SERVER.encode()):
-            found |= {k.pid for k in psutil.Process(child).children() if _running(k)}
-        elif _running(psutil.Process(child)):
+    for server in of_kind(pid, "fork server"):
+        found |= {k.pid for k in psutil.Process(server).children() if _running(k)}
+    for child in of_kind(pid, "launcher") | of_kind(pid, "kernel"):
+        if _running(psutil.Process(child)):
             found.add(child)
     return found
 
@@ -124,8 +124,9 @@ def wait_exited(pids: set[int], timeout: float = 15.0) -> set[int]:
         except ProcessLookupError:
             continue
         try:
-            ready, _, _ = select.select([fd], [], [], timeout)
-            if not ready:
+            poller = select.poll()
+            poller.register(fd, select.POLLIN)
+            if not poller.poll(timeout * 1000):
                 alive.add(pid)
         finally:
             os.close(fd)
@@ -205,23 +206,17 @@ class Server:
 def http_server(
     server_tmp: Path, tools_file: Path, tools_notebook: Path, tmp_path: Path
 ) -> Iterator[Server]:
+    args = ("--tools", str(tools_file), str(tools_notebook), "--record", str(tmp_path / "runs"))
+    with running_http_server(server_tmp, *args) as server:
+        yield server
+
+
+@contextlib.contextmanager
+def running_http_server(server_tmp: Path, *args: str) -> Iterator[Server]:
+    """``kernelexec mcp --transport http --port 0 ARGS``, stopped (and checked) at the end."""
     token = "test-token-" + "x" * 20
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kernelexec",
-            "mcp",
-            "--transport",
-            "http",
-            "--port",
-            "0",
-            "--tools",
-            str(tools_file),
-            str(tools_notebook),
-            "--record",
-            str(tmp_path / "runs"),
-        ],
+        [sys.executable, "-m", "kernelexec", "mcp", "--transport", "http", "--port", "0", *args],
         env={**server_env(server_tmp), "KERNELEXEC_MCP_TOKEN": token},
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
@@ -595,3 +590,97 @@ def test_bad_options_are_usage_errors(tmp_path: Path, capsys: pytest.CaptureFixt
     assert f"cannot listen on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err
     assert main(["mcp", "--requirement=--index-url=http://127.0.0.1/"]) == 2
     assert "is a pip option" in capsys.readouterr().err
+
+
+CONTROL_CODE = r"""
+import sys
+print("\x1b]52;c;c2VjcmV0\x07copied\x1b]0;pwned title\x1b\\ \x1b]8;;http://evil\x1b\\link\x1b]8;;\x1b\\")
+print("\x1b[31mred\x1b[0m 10%\rprogress 100%")
+print("\x1bcreset\x9b2Jclear\x9d0;t\x9c ok")
+sys.stderr.write("warn\r\x1b]52;c;eA==\x07done\n")
+"""
+
+
+@pytest.mark.slow
+async def test_run_python_text_carries_no_terminal_control_sequences(
+    server_tmp: Path, tmp_path: Path
+) -> None:
+    async with stdio_session(server_tmp, errlog=tmp_path / "server.log") as (client, _):
+        result = await client.call_tool("run_python", {"code": CONTROL_CODE})
+    assert not result.is_error, text_of(result)
+    text = text_of(result)
+    structured = result.structured_content
+    assert structured is not None
+    for shown in (text, structured["stdout"], structured["stderr"]):
+        assert not re.search(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]", shown), repr(shown)
+    assert structured["stdout"] == "copied link\nprogress 100%\nresetclear ok\n"
+    assert structured["stderr"] == "done\n"
+    assert "copied link\nprogress 100%\nresetclear ok" in text
+    assert "c2VjcmV0" not in text and "pwned" not in text and "evil" not in text
+
+
+@pytest.mark.slow
+async def test_http_idle_timeout_flag_ends_abandoned_sessions_and_their_kernels(
+    server_tmp: Path,
+) -> None:
+    with running_http_server(server_tmp, "--idle-timeout", "1") as server:
+        headers = {"Authorization": f"Bearer {server.token}"}
+        # A client that leaves without ending its MCP session (no DELETE), as stateless
+        # clients do.
+        async with (
+            create_mcp_http_client(headers=headers) as http,
+            streamable_http_client(server.url, http_client=http, terminate_on_close=False) as (
+                read,
+                write,
+            ),
+            ClientSession(read, write) as session,
+        ):
+            await session.initialize()
+            result = await session.call_tool("run_python", {"code": "x = 1"})
+            assert not result.is_error, text_of(result)
+            kernels = kernels_of(server.proc.pid)
+            assert len(kernels) == 1
+        # Ended by the server after a second without requests: its kernel is shut down.
+        assert not wait_exited(kernels, timeout=60), "".join(server.log)
+        assert server.proc.poll() is None  # the server itself serves on
+
+
+def test_idle_timeout_must_be_positive(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["mcp", "--transport", "http", "--idle-timeout", "0"]) == 2
+    assert "--idle-timeout" in capsys.readouterr().err
+
+
+def test_the_server_imports_no_kernel_machinery_before_it_answers_initialize() -> None:
+    # The stdio `initialize` waited 2.3 s of CPU for imports (jsonschema building
+    # rfc3987-syntax's grammars, jupyter-client, zmq, nbformat) and the executor's start; they
+    # now happen in the background after the server is up.
+    heavy = ("kernelexec._core._executor", "jsonschema", "nbformat", "zmq", "jupyter_client")
+    code = (
+        "import sys, kernelexec._mcp._serve, kernelexec._mcp._server\n"
+        f"print([m for m in {heavy!r} if m in sys.modules])"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.slow
+async def test_an_executor_that_cannot_start_is_said_on_every_call(
+    server_tmp: Path, tmp_path: Path
+) -> None:
+    blocked = tmp_path / "not-a-dir"
+    blocked.write_text("a file where the recordings' directory should be")
+    log = tmp_path / "server.log"
+    async with stdio_session(server_tmp, "--record", str(blocked / "runs"), errlog=log) as (
+        client,
+        _,
+    ):
+        tools = {tool.name for tool in (await client.list_tools()).tools}
+        assert "run_python" in tools
+        for _ in range(2):
+            result = await client.call_tool("run_python", {"code": "1"})
+            assert result.is_error
+            assert "could not start its kernels" in text_of(result)
+            assert str(blocked) in text_of(result)
+    assert "could not be started" in log.read_text()

@@ -368,6 +368,45 @@ def test_export_writes_a_notebook_that_replays(dbg: ToolDebugger, tmp_path: Path
     assert report.cells_run == 3 and report.differences == []
 
 
+def test_export_never_overwrites_a_file_nobody_named(
+    dbg: ToolDebugger, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    users = tmp_path / "dbg-test.ipynb"  # the default name, taken by the user's own notebook
+    users.write_text("the notebook the debugger runs in")
+    dbg.select("add")
+    dbg.set_args({"a": 1})
+    assert dbg.run().ok
+    dbg.export_button.click()
+    assert users.read_text() == "the notebook the debugger runs in"
+    picked = tmp_path / "dbg-test-1.ipynb"
+    assert "dbg-test-1.ipynb" in dbg.export_status.value
+    assert kx.replay(picked).cells_run == 2
+    # Its own export is rewritten in place as the session grows, not copied again.
+    dbg.set_args({"a": 2})
+    assert dbg.run().ok
+    assert dbg.export() == Path("dbg-test-1.ipynb")
+    assert kx.replay(picked).cells_run == 3
+    assert sorted(p.name for p in tmp_path.glob("*.ipynb")) == [
+        "dbg-test-1.ipynb",
+        "dbg-test.ipynb",
+    ]
+    # A name the user gives is never overwritten unless asked to.
+    dbg.export_path.value = str(users)
+    dbg.export_button.click()
+    assert "exists" in dbg.export_status.value and "overwrite=True" in dbg.export_status.value
+    assert users.read_text() == "the notebook the debugger runs in"
+    with pytest.raises(kx.ConfigError, match="exists"):
+        dbg.export(users)
+    assert dbg.export(users, overwrite=True) == users
+    assert kx.replay(users).cells_run == 3
+
+
+def test_form_fields_have_one_css_class_token_each(dbg: ToolDebugger) -> None:
+    classes = [c for c in dbg.env_vars.input._dom_classes if c.startswith("kx-field-")]
+    assert classes == ["kx-field-env-vars"]
+
+
 def test_export_needs_a_recording_executor() -> None:
     with kx.KernelExecutor() as ex:
         dbg = ToolDebugger(_tools(TOOLS_SOURCE), executor=ex)

@@ -14,8 +14,8 @@ import os
 import tempfile
 
 from kernelexec._branching._process import BranchProcess, Template
-from kernelexec._exceptions import BranchError, KernelStartError
-from kernelexec._sandbox import _cgroups, _users
+from kernelexec._exceptions import BranchError
+from kernelexec._sandbox import _users
 from kernelexec.backends._local import KernelTenant, LocalConnection
 
 
@@ -30,7 +30,13 @@ class BranchConnection(LocalConnection):
 
     def __init__(self, tenant: KernelTenant, template: Template, origin: str) -> None:
         super().__init__(
-            tenant.python, tenant.extra_args, tenant.env, tenant.plan, tenant.workdir, forks=None
+            tenant.python,
+            tenant.extra_args,
+            tenant.env,
+            tenant.plan,
+            tenant.workdir,
+            forks=None,
+            budget=tenant.budget,
         )
         self._tenant = tenant
         self._template: Template | None = template
@@ -73,10 +79,7 @@ class BranchConnection(LocalConnection):
         if plan is not None:
             env = {"HOME": kdir, "IPYTHONDIR": os.path.join(kdir, "ipython")}
             if plan.use_cgroup:
-                try:
-                    self._cgroup = _cgroups.KernelCgroup.create(plan.cgroup_limits)
-                except OSError as exc:
-                    raise KernelStartError(f"could not set up the branch's cgroup: {exc}") from exc
+                self._new_cgroup(plan, "branch")
         info = dict(km.get_connection_info(session=False))
         key = info.get("key", b"")
         info["key"] = key.decode() if isinstance(key, bytes) else str(key)

@@ -142,6 +142,19 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds per cell: for unrecorded ones (default 60), and the cap on recorded ones",
     )
     replay.add_argument("--json", action="store_true", help="print the report as JSON only")
+    replay.add_argument(
+        "--build-requirements",
+        action="store_true",
+        help="build the recorded venv's requirements when they are not in the cache: a "
+        "notebook is untrusted, and building runs its requirements' own code (under the "
+        "replay's isolation); without this flag such a replay stops before anything runs",
+    )
+    replay.add_argument(
+        "--isolation",
+        choices=("none", "process", "bwrap"),
+        default=None,
+        help="isolation of the replay's kernel (default: the backend's, 'process' locally)",
+    )
 
     tools = sub.add_parser("tools", help="tools authored in notebooks")
     tools_sub = tools.add_subparsers(dest="tools_command", required=True)
@@ -200,6 +213,13 @@ def _parser() -> argparse.ArgumentParser:
         action="append",
         default=[],
         help="another MCP server (stdio command) whose tools code calls as tools.NAME.<tool>",
+    )
+    mcp.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=1800.0,
+        metavar="S",
+        help="HTTP: end an MCP session idle for S seconds and shut its kernels down (default 1800)",
     )
 
     demo = sub.add_parser("demo", help="a scripted stateful agent session")
@@ -367,12 +387,16 @@ def _report_recording(ex: KernelExecutor, ns: argparse.Namespace) -> None:
 
 def _cmd_replay(ns: argparse.Namespace) -> int:
     from kernelexec._sync import replay
+    from kernelexec.backends import LocalBackend
 
-    print(f"replaying {ns.notebook} in a fresh kernel", file=sys.stderr)
-    if ns.timeout is None:
-        report = replay(ns.notebook)
-    else:
-        report = replay(ns.notebook, default_timeout=ns.timeout, max_timeout=ns.timeout)
+    options: dict[str, Any] = {"build_requirements": ns.build_requirements}
+    if ns.isolation is not None:
+        options["isolation"] = ns.isolation
+    if ns.timeout is not None:
+        options.update(default_timeout=ns.timeout, max_timeout=ns.timeout)
+    level = ns.isolation or LocalBackend.default_isolation
+    print(f"replaying {ns.notebook} in a fresh kernel at isolation={level!r}", file=sys.stderr)
+    report = replay(ns.notebook, **options)
     if ns.json:
         print(report.model_dump_json())
     else:
@@ -404,35 +428,12 @@ def _cmd_schema(ns: argparse.Namespace) -> int:
 
 
 def _cmd_repl(ns: argparse.Namespace) -> int:
-    from IPython.core.inputtransformer2 import TransformerManager
-    from prompt_toolkit import PromptSession
-    from prompt_toolkit.history import InMemoryHistory
+    from kernelexec._cli._repl import run_repl
 
-    completeness = TransformerManager()  # type: ignore[no-untyped-call]
-    prompt: PromptSession[str] = PromptSession(history=InMemoryHistory())
-    from kernelexec._sync import KernelExecutor
-
-    print("kernelexec repl: a persistent kernel; Ctrl-D to quit.", file=sys.stderr)
-    with KernelExecutor(**_record_config(ns)) as ex:
-        session = ex.session(ns.agent)
-        while True:
-            lines: list[str] = []
-            try:
-                lines.append(prompt.prompt(">>> "))
-                status, indent = completeness.check_complete("\n".join(lines) + "\n")
-                while status == "incomplete":
-                    lines.append(prompt.prompt("... ", default=" " * (indent or 0)))
-                    if not lines[-1].strip():
-                        break
-                    status, indent = completeness.check_complete("\n".join(lines) + "\n")
-            except KeyboardInterrupt:
-                continue
-            except EOFError:
-                _report_recording(ex, ns)
-                return EXIT_OK
-            code = "\n".join(lines)
-            if code.strip():
-                _print_result(session.run_code(code), False)
+    path = run_repl(_record_config(ns), ns.agent)
+    if path is not None:
+        print(f"recorded to {path}", file=sys.stderr)
+    return EXIT_OK
 
 
 def _cmd_mcp(ns: argparse.Namespace) -> int:
@@ -458,6 +459,7 @@ def _cmd_mcp(ns: argparse.Namespace) -> int:
         requirements=tuple(ns.requirement),
         timeout=ns.timeout,
         upstream=tuple(ns.upstream),
+        idle_timeout=ns.idle_timeout,
     )
     serve(options)
     return EXIT_OK

@@ -35,6 +35,7 @@ from kernelexec._notebooks._io import safe_filename
 from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import bootstrap_request
+from kernelexec._sandbox._build import BuildConfinement
 from kernelexec._tempdirs import make_owned_dir, sweep_once
 from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLaunch
@@ -76,6 +77,8 @@ class AsyncKernelExecutor:
     Raises:
         ConfigError: a configuration value is invalid, or the backend cannot run the
             configured environment (the message names it).
+        HostLimitError: the host cannot hold ``max_kernels`` kernels (the hard limit on open
+            files is too low; the message says what to change).
     """
 
     def __init__(
@@ -90,7 +93,9 @@ class AsyncKernelExecutor:
         self.backend = _resolve_backend(backend, backend_options)
         self._workdir: PurePath | None = None
         self._check_env(self.config.env)
-        self.builder = EnvBuilder(self.config.cache_dir, self.config.installer, on_progress)
+        self.builder = EnvBuilder(
+            self.config.cache_dir, self.config.installer, on_progress, self._confinement()
+        )
         self._state = Lifecycle("the executor")
         # Sessions by (agent id, fingerprint). A session whose kernel was evicted is only
         # weakly held ("parked"): kept while its caller holds it, forgotten otherwise, so the
@@ -103,6 +108,7 @@ class AsyncKernelExecutor:
         # What forgotten sessions lost, told to their agent's next session (bounded).
         self._lost_by_agent: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
         self._dirs_used: set[str] = set()
+        self._dirs_made: set[str] = set()  # session directories this executor made
         self._pools: dict[str, KernelPool] = {}
         self._pool_locks: dict[str, asyncio.Lock] = {}
         self._tool_envs: dict[tuple[tuple[str, ...], str | None], VenvEnv] = {}
@@ -116,6 +122,7 @@ class AsyncKernelExecutor:
             self.config.max_output_chars, fast_calls=self.config.fast_calls
         )
         self._own_workdir = False
+        self._loop: asyncio.AbstractEventLoop | None = None
         self._store: StateStore | None = None
         if self.config.state_dir is not None:
             if not self.backend.host_filesystem:
@@ -135,7 +142,22 @@ class AsyncKernelExecutor:
         )
         self._env_of: dict[str, Env] = {}  # fingerprint -> environment (for children)
         self._branch_counts: dict[str, int] = {}  # agent id -> children forked so far
+        # Room for max_kernels first: when the host cannot hold them, nothing is held yet.
+        self.backend.reserve(self.config.max_kernels)
         self.backend.hold()
+
+    def _confinement(self) -> BuildConfinement:
+        """How tool-named requirements are built: under the kernels' own isolation."""
+        cfg = self.config
+        level = cfg.isolation or self.backend.default_isolation
+        network = cfg.network if cfg.network is not None else level != "bwrap"
+        return BuildConfinement(level=level, network=network)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop the executor runs on (None until started); code on other threads
+        hands it calls with ``asyncio.run_coroutine_threadsafe``."""
+        return self._loop
 
     @property
     def env(self) -> Env:
@@ -178,7 +200,14 @@ class AsyncKernelExecutor:
             env=kernel_env(cfg),
             interpreter=interpreter,
             isolation=cfg.isolation or self.backend.default_isolation,
-            limits=cfg.limits.given() if cfg.limits is not None else {},
+            limits={
+                **(cfg.limits.given() if cfg.limits is not None else {}),
+                **(
+                    {"memory_budget_mb": float(cfg.memory_budget_mb)}
+                    if cfg.memory_budget_mb is not None
+                    else {}
+                ),
+            },
             network=cfg.network,
             workdir=workdir,
         )
@@ -216,6 +245,7 @@ class AsyncKernelExecutor:
                 os.makedirs(cfg.record_dir, exist_ok=True)
             except OSError as exc:
                 raise ConfigError(f"record_dir {cfg.record_dir}: {exc.strerror}") from None
+        self._loop = asyncio.get_running_loop()
         if self._store is not None:
             self._store.open()
         await self._supervisor.start()
@@ -367,7 +397,13 @@ class AsyncKernelExecutor:
         registration = None
         if cfg.attachable:
             registration = SessionRegistration(agent_id, fingerprint, self.backend.name)
-        lease = KernelLease(agent_id, lambda: self._pool_for(env), str(workdir), registration)
+        lease = KernelLease(
+            agent_id,
+            lambda: self._pool_for(env),
+            str(workdir),
+            registration,
+            env=cfg.env_vars if self.backend.filters_env else None,
+        )
         lease.carry_lost(self._lost_by_agent.pop(key, []))
         if self._store is not None:
             assert isinstance(workdir, Path)
@@ -403,6 +439,7 @@ class AsyncKernelExecutor:
             on_close=self._forget,
             setup_code=setup,
             branches=self._branches,
+            env=env if self.backend.host_filesystem else None,
         )
         self._sessions[key] = session
         return session
@@ -486,17 +523,27 @@ class AsyncKernelExecutor:
         self._dirs_used.discard(PurePath(session.workdir).name)
 
     def _session_dir(self, agent_id: str) -> PurePath:
+        """A session's directory: ``<workdir>/<agent id>``, or ``<agent id>-2``... when that
+        name is in use. On the host's filesystem the directory is made by this executor: one
+        that exists already (another executor sharing the workdir, or an earlier run) is never
+        taken over, so two executors never share a session's files."""
         assert self._workdir is not None
         base = safe_filename(agent_id)
-        name, n = base, 1
-        while name in self._dirs_used:
+        n = 1
+        while True:
+            name = base if n == 1 else f"{base}-{n}"
             n += 1
-            name = f"{base}-{n}"
-        self._dirs_used.add(name)
-        path = self._workdir / name
-        if isinstance(path, Path):
-            path.mkdir(parents=True, exist_ok=True)
-        return path
+            if name in self._dirs_used:
+                continue
+            path = self._workdir / name
+            if isinstance(path, Path) and name not in self._dirs_made:
+                try:
+                    path.mkdir()
+                except FileExistsError:
+                    continue
+                self._dirs_made.add(name)
+            self._dirs_used.add(name)
+            return path
 
     async def call_tool(
         self,

@@ -20,6 +20,7 @@ from kernelexec._core._run import run_internal
 from kernelexec._durable._keeper import SessionState
 from kernelexec._exceptions import ConfigError, StateError
 from kernelexec._models import Hibernation, Restored
+from kernelexec._proctitle import kernel_title
 from kernelexec._protocol._host import ExecuteRequest
 from kernelexec.backends._base import KernelConnection
 
@@ -46,6 +47,8 @@ class KernelLease:
         workdir: The session's working directory, as the kernel sees it; a fresh kernel
             creates it and changes into it on its first request.
         watcher: Told when the kernel changes.
+        env: Variables to set in each fresh kernel with its first request (the executor's
+            ``env_vars``, for a backend whose kernels may not get them at launch).
     """
 
     def __init__(
@@ -54,11 +57,13 @@ class KernelLease:
         pool: Callable[[], Awaitable[KernelPool]],
         workdir: str,
         watcher: KernelWatcher | None = None,
+        env: dict[str, str] | None = None,
     ) -> None:
         self.agent_id = agent_id
         self.workdir = workdir
         self._get_pool = pool
         self._workdir = workdir
+        self._env = dict(env or {})
         self._pool: KernelPool | None = None
         self._lock = asyncio.Lock()
         self._conn: KernelConnection | None = None
@@ -136,14 +141,14 @@ class KernelLease:
     async def attach(self) -> tuple[KernelConnection, list[str] | None]:
         """The kernel to run on (taken from the pool if none is attached), and the variable
         names lost since the last run when state was lost (else None)."""
-        lost, self._lost = self._lost, None
+        missing: list[str] = []
         if self._conn is None:
             if self._pool is None:
                 self._pool = await self._get_pool()
+            # If no kernel can be had now (a gateway that is down), the lost names wait for
+            # the run that gets one.
             self._conn = await self._pool.acquire()
             missing = await self._attached()
-            if missing:
-                lost = (lost or []) + missing
             log.info(
                 "agent %r: kernel %d attached (pid %s)",
                 self.agent_id,
@@ -152,6 +157,9 @@ class KernelLease:
             )
             if self.on_attached is not None:
                 self.on_attached()
+        lost, self._lost = self._lost, None
+        if missing:
+            lost = (lost or []) + missing
         return self._conn, lost
 
     def take_restored(self) -> Restored | None:
@@ -170,7 +178,14 @@ class KernelLease:
         if not self._fresh:
             return None
         self._fresh = False
-        return {"cwd": self._workdir}
+        isolation = self._pool.launch.isolation if self._pool is not None else "none"
+        settings: dict[str, Any] = {
+            "cwd": self._workdir,
+            "title": kernel_title(self.agent_id, isolation),
+        }
+        if self._env:
+            settings["env"] = self._env
+        return settings
 
     def update_names(self, names: tuple[str, ...]) -> None:
         """The user's variable names after a run."""

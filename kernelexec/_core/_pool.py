@@ -79,6 +79,11 @@ class KernelPool:
         return len(self._warm)
 
     @property
+    def launch(self) -> KernelLaunch:
+        """What this pool's kernels are started with."""
+        return self._launch
+
+    @property
     def size(self) -> int:
         """Kernels of this environment alive or starting."""
         return len(self._warm) + len(self._in_use) + self._starting

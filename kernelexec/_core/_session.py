@@ -32,10 +32,14 @@ from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._traced import traced_call
 from kernelexec._durable._kernel_state import HOOK_KEY
+from kernelexec._envs._envs import LocalEnv, VenvEnv, missing_requirements
 from kernelexec._exceptions import (
     BranchingNotSupportedError,
     EnvSetupError,
     ExecutorClosedError,
+    KernelStartError,
+    PoolExhaustedError,
+    RequirementsMissingError,
 )
 from kernelexec._files._commands import AsyncSessionCommands
 from kernelexec._files._link import KernelLink
@@ -100,6 +104,7 @@ class AsyncSession:
         observers: tuple[RunObserver, ...] = (),
         on_close: Callable[[AsyncSession], Awaitable[None]] | None = None,
         isolation: Isolation | None = None,
+        env: LocalEnv | VenvEnv | None = None,
         backend: str = "local",
         setup_code: tuple[str, ...] = (),
         branches: SessionBranches | None = None,
@@ -113,6 +118,9 @@ class AsyncSession:
         """What is in force for this session's kernel: ``.level``, and per limit and per
         boundary the mechanism that enforces it (see :class:`kernelexec.Isolation`)."""
         self.workdir = workdir
+        self.env = env
+        """The environment the session's kernel runs in, when it runs on this machine (tools'
+        ``pip_requirements`` are checked against it); None when the backend picks it."""
         self.fingerprint = fingerprint
         self._lease = lease
         self._timeout = default_timeout
@@ -308,6 +316,7 @@ class AsyncSession:
         """
         if not isinstance(tool, Tool):
             raise TypeError(f"tool must be a kernelexec.Tool, not {type(tool).__name__}")
+        self._check_requirements(tool)
         timeout = self._check_timeout(timeout)
         once = one_call(host_functions)
         args = {} if args is None else args
@@ -523,6 +532,28 @@ class AsyncSession:
             observer.close()
 
     # -- internals ---------------------------------------------------------------------------
+
+    def _check_requirements(self, tool: Tool) -> None:
+        """Refuse a tool whose ``pip_requirements`` this session's environment lacks (it
+        would fail with ``ModuleNotFoundError``, or worse, run against other versions)."""
+        if not tool.pip_requirements or self.env is None:
+            return
+        missing = missing_requirements(self.env, tool.pip_requirements)
+        if not missing:
+            return
+        where = (
+            f"a venv with {', '.join(self.env.requirements) or 'no requirements'}"
+            if isinstance(self.env, VenvEnv)
+            else "the host's interpreter (LocalEnv)"
+        )
+        raise RequirementsMissingError(
+            f"tool {tool.name!r} needs {', '.join(tool.pip_requirements)}, but session "
+            f"{self.agent_id!r} runs in {where}, which lacks {', '.join(missing)}: call it "
+            "through the executor (executor.call_tool(tool, args, agent_id=...) runs it in a "
+            "venv with its requirements), or use the session "
+            "executor.session(agent_id, executor.env_for(tool))",
+            tuple(missing),
+        )
 
     def _span_attributes(self) -> dict[str, str]:
         return {
@@ -741,6 +772,18 @@ class AsyncSession:
             calls = await finish_shielded(self._codemode.end_run(host))
         return out, calls
 
+    async def _replace_kernel(self) -> tuple[list[str], str | None]:
+        """Replace the kernel a run ended: the names lost, or what stopped a fresh kernel
+        from starting (then the run that gets one reports the lost names)."""
+        names = ", ".join(self._lease.names) or "no variables"
+        try:
+            return await self._lease.replace(), None
+        except (KernelStartError, PoolExhaustedError) as exc:
+            return [], (
+                f"; no fresh kernel could be started ({exc}): the state ({names}) is lost, "
+                "and the next call starts a kernel and says so"
+            )
+
     async def _finish(
         self, out: RunOutcome, timeout: float, lost: list[str] | None, *, tool_call: bool
     ) -> tuple[dict[str, Any], protocol.Report | None]:
@@ -770,9 +813,13 @@ class AsyncSession:
             else:
                 why = "the code asked the kernel to exit; a fresh kernel replaces it"
                 error = ExecError(kind="kernel_died", ename="KernelExited", evalue=why)
-            restarted = True
             log.warning("agent %r: %s", self.agent_id, why)
-            lost_names += await self._lease.replace()
+            replaced, problem = await self._replace_kernel()
+            if problem is None:
+                restarted = True
+                lost_names += replaced
+            else:
+                error = error.model_copy(update={"evalue": error.evalue + problem})
         else:
             report = protocol.read_report(reply)
             if report is not None:

@@ -33,6 +33,9 @@ from kernelexec._envs._envs import (
 )
 from kernelexec._exceptions import ConfigError, EnvSetupError
 from kernelexec._observability._otel import telemetry
+from kernelexec._sandbox import _uids, _users
+from kernelexec._sandbox._build import BuildConfinement, take_back
+from kernelexec._sandbox._plan import interpreter_paths
 
 
 class EnvProgress(BaseModel):
@@ -104,6 +107,10 @@ class EnvBuilder:
         cache_dir: Where venvs live (``<cache_dir>/envs/<fingerprint>``).
         installer: ``"auto"`` (uv when available, else venv + pip), ``"uv"`` or ``"pip"``.
         on_progress: Called with each :class:`EnvProgress` (on kernelexec's event loop).
+        confinement: How the installer runs the requirements' own code (their build
+            backends): under the isolation of the kernels that will use the venv
+            (:mod:`kernelexec._sandbox._build`). Default: as the host (``"none"``), for
+            requirements the host itself names (``kernelexec env build``).
     """
 
     def __init__(
@@ -111,7 +118,9 @@ class EnvBuilder:
         cache_dir: Path | None = None,
         installer: Literal["auto", "uv", "pip"] = "auto",
         on_progress: ProgressCallback | None = None,
+        confinement: BuildConfinement | None = None,
     ) -> None:
+        self.confinement = confinement or BuildConfinement()
         self.cache_dir = Path(cache_dir).expanduser() if cache_dir else default_cache_dir()
         self.installer = installer
         self.on_progress = on_progress
@@ -126,13 +135,17 @@ class EnvBuilder:
         """Where ``env`` lives once built."""
         return Path(env.path).resolve() if env.path is not None else self.envs_dir / fingerprint
 
+    def is_built(self, env: VenvEnv) -> bool:
+        """Whether ``env`` is in the cache already (nothing to build)."""
+        return (self.target(env, env.fingerprint) / ENV_INFO).exists()
+
     async def ensure(self, env: VenvEnv) -> BuiltEnv:
         """The built venv for ``env``: reused when present, else built now.
 
         Raises:
             EnvSetupError: creating the venv or installing a requirement failed; the message
                 ends with the tail of the installer's output. Nothing is left behind, and the
-                next call tries again.
+                next call tries again. Also when the confinement cannot be had on this host.
         """
         start = time.monotonic()
         fingerprint = env.fingerprint
@@ -157,6 +170,8 @@ class EnvBuilder:
             try:
                 if (target / ENV_INFO).exists():
                     return self._reused(fingerprint, target, start)
+                if env.requirements:
+                    self.confinement.check()
                 with telemetry().span("env.build", {"kernelexec.env.fingerprint": fingerprint}):
                     try:
                         await self._build(env, fingerprint, target, start)
@@ -202,24 +217,38 @@ class EnvBuilder:
             kind, uv = self._choose_installer()
             python = env.interpreter
             venv_python = str(_venv_python(tmp))
+            confined = self.confinement.confined and bool(env.requirements)
+            # Confined, kernelexec's own requirement is installed first as the host; the
+            # tool-named ones (whose build backends run code) then as the build's own user.
+            host_reqs = [KERNEL_REQUIREMENT, STATE_REQUIREMENT]
+            host_reqs += [] if confined else list(env.requirements)
             reqs = work / "requirements.txt"
-            kernel_reqs = [KERNEL_REQUIREMENT, STATE_REQUIREMENT]
-            reqs.write_text("\n".join([*kernel_reqs, *env.requirements]) + "\n")
+            reqs.write_text("\n".join(host_reqs) + "\n")
+            tool_reqs = work / "tool-requirements.txt"
+            tool_reqs.write_text("\n".join(env.requirements) + "\n")
             self._emit(fingerprint, "creating", f"creating a venv with {kind} ({python})", start)
+
+            def install(listing: Path) -> list[str]:
+                if uv is not None:
+                    # No --compile-bytecode: it triples the build, and the first kernel writes
+                    # the .pyc files it needs anyway (measured in benchmarks/envs.py).
+                    return [uv, "pip", "install", "--python", venv_python, "-r", str(listing)]
+                return [venv_python, "-m", "pip", "install", "--no-input", "-r", str(listing)]
+
             if uv is not None:
                 create = [uv, "venv", "--quiet", "--relocatable", "--python", python, str(tmp)]
-                # No --compile-bytecode: it triples the build, and the first kernel writes the
-                # .pyc files it needs anyway (measured in benchmarks/envs.py).
-                install = [uv, "pip", "install", "--python", venv_python, "-r", str(reqs)]
             else:
                 create = [python, "-m", "venv", str(tmp)]
-                install = [venv_python, "-m", "pip", "install", "--no-input", "-r", str(reqs)]
             await self._run(create, fingerprint, start, "creating the venv")
             count = len(env.requirements)
             self._emit(
                 fingerprint, "installing", f"installing ipykernel and {count} requirement(s)", start
             )
-            await self._run(install, fingerprint, start, "installing the requirements")
+            what = "installing the requirements"
+            await self._run(install(reqs), fingerprint, start, what)
+            if confined:
+                needed = await asyncio.to_thread(_build_needs, python, env.requirements, uv)
+                await self._run_confined(install(tool_reqs), work, needed, fingerprint, start, what)
             info = {
                 "fingerprint": fingerprint,
                 "requirements": list(env.requirements),
@@ -239,10 +268,44 @@ class EnvBuilder:
         finally:
             shutil.rmtree(work, ignore_errors=True)
 
-    async def _run(self, argv: list[str], fingerprint: str, start: float, what: str) -> None:
-        env = dict(os.environ)
-        env.pop("VIRTUAL_ENV", None)  # the installer must target the new venv, not ours
-        env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
+    async def _run_confined(
+        self,
+        argv: list[str],
+        work: Path,
+        needed: list[str],
+        fingerprint: str,
+        start: float,
+        what: str,
+    ) -> None:
+        """Run ``argv`` as a uid of its own that owns ``work`` while it runs (see
+        :mod:`kernelexec._sandbox._build`); everything it made is the host's afterwards."""
+        uid = await asyncio.to_thread(_uids.allocate)
+        try:
+            home = work / "home"
+            home.mkdir()
+            await asyncio.to_thread(_users.hand_over, str(work), uid)
+            confinement = self.confinement
+            wrapped = confinement.wrap(argv, uid, needed, [str(work)])
+            env = confinement.environment(str(home))
+            await self._run(wrapped, fingerprint, start, what, env=env, cwd=str(home))
+        finally:
+            await asyncio.to_thread(take_back, work)
+            await asyncio.to_thread(_uids.release, uid)
+
+    async def _run(
+        self,
+        argv: list[str],
+        fingerprint: str,
+        start: float,
+        what: str,
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str | None = None,
+    ) -> None:
+        if env is None:
+            env = dict(os.environ)
+            env.pop("VIRTUAL_ENV", None)  # the installer must target the new venv, not ours
+            env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv,
@@ -250,6 +313,7 @@ class EnvBuilder:
                 stdout=asyncio.subprocess.PIPE,
                 stderr=asyncio.subprocess.STDOUT,
                 env=env,
+                cwd=cwd,
             )
         except OSError as exc:
             raise EnvSetupError(f"{what} failed: cannot run {argv[0]}: {exc}") from None
@@ -270,6 +334,27 @@ class EnvBuilder:
         if code != 0:
             output = "\n".join(tail) or "(no output)"
             raise EnvSetupError(f"{what} failed (exit status {code}):\n{output}")
+
+
+def _build_needs(python: str, requirements: tuple[str, ...], uv: str | None) -> list[str]:
+    """What a confined install must reach: the interpreter, the local requirements, uv."""
+    needed = [*interpreter_paths(python), *_local_paths(requirements)]
+    if uv is not None:
+        needed.append(os.path.dirname(os.path.realpath(uv)))
+    return needed
+
+
+def _local_paths(requirements: tuple[str, ...]) -> list[str]:
+    """The local files and directories among ``requirements`` (``/w/pkg``,
+    ``name @ file:///w/pkg.whl``), which a confined build must reach."""
+    found = []
+    for line in requirements:
+        text = line.split("@", 1)[1].strip() if "@" in line else line
+        text = text.removeprefix("file://")
+        if os.path.isabs(text) and os.path.exists(text):
+            real = os.path.realpath(text)
+            found.append(real)
+    return found
 
 
 def list_envs(cache_dir: Path) -> list[dict[str, Any]]:

@@ -216,3 +216,38 @@ class VenvEnv(BaseModel):
 
 
 Env = Annotated[LocalEnv | VenvEnv, Field(discriminator="kind")]
+
+
+def missing_requirements(env: LocalEnv | VenvEnv, requirements: list[str]) -> list[str]:
+    """The lines of ``requirements`` that ``env`` does not provide.
+
+    A venv provides exactly the requirements it was built with (in their normalised spelling);
+    the host interpreter (``LocalEnv``) provides a named requirement whose distribution is
+    installed in a version the specifier allows (or whose marker does not apply here). A line
+    that names no distribution (a bare path or url) counts as missing from ``LocalEnv``.
+    """
+    if isinstance(env, VenvEnv):
+        provided = set(env.requirements)
+        return [line for line in requirements if _normalised(line) not in provided]
+    return [line for line in requirements if not _installed_here(line)]
+
+
+def _normalised(line: str) -> str:
+    try:
+        return normalise_requirement(line)
+    except ConfigError:
+        return line
+
+
+def _installed_here(line: str) -> bool:
+    try:
+        req = Requirement(line.strip())
+    except InvalidRequirement:
+        return False
+    if req.marker is not None and not req.marker.evaluate():
+        return True
+    try:
+        version = importlib.metadata.version(req.name)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return req.url is not None or req.specifier.contains(version, prereleases=True)

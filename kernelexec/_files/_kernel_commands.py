@@ -48,13 +48,16 @@ except FileNotFoundError as exc:
 except PermissionError as exc:
     sys.stderr.write(f"{sys.argv[2]}: {exc.strerror}\\n")
     sys.exit(126)
-watch = [alive]
+watch = select.poll()  # not select(): it cannot take a descriptor above 1023
+watch.register(alive, select.POLLIN)
+waiting = 500
 try:
-    watch.append(os.pidfd_open(child.pid))
+    watch.register(os.pidfd_open(child.pid), select.POLLIN)
+    waiting = None
 except (AttributeError, OSError):
     pass
 while child.poll() is None:
-    ready, _, _ = select.select(watch, [], [], None if len(watch) > 1 else 0.5)
+    ready = [fd for fd, _ in watch.poll(waiting)]
     if alive in ready:
         os.killpg(0, signal.SIGKILL)
 code = child.returncode

@@ -14,7 +14,13 @@ from kernelexec._tools._tool import Tool
 
 BUILTIN_TOOLS = ("run_python", "list_sessions", "reset_session")
 TOKEN_ENV = "KERNELEXEC_MCP_TOKEN"
-_FLAGS = {"record_dir": "record", "requirements": "requirement"}  # field -> flag, where they differ
+DEFAULT_IDLE_TIMEOUT = 1800.0
+"""Seconds an HTTP MCP session may go without a request (the SDK's own default)."""
+_FLAGS = {
+    "record_dir": "record",
+    "requirements": "requirement",
+    "idle_timeout": "idle-timeout",
+}  # field -> flag, where they differ
 
 
 class McpOptions(BaseModel):
@@ -35,6 +41,9 @@ class McpOptions(BaseModel):
         timeout: Default seconds a run may take before the kernel is interrupted.
         upstream: Other MCP servers to connect to, as ``NAME=COMMAND`` (stdio); kernel code
             calls their tools as ``tools.<NAME>.<tool>``.
+        idle_timeout: HTTP: seconds after which an MCP session with no request is ended and
+            its kernels shut down (a client that leaves without ending its session, as
+            stateless clients do, holds kernels that long).
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -49,6 +58,7 @@ class McpOptions(BaseModel):
     requirements: tuple[str, ...] = ()
     timeout: float | None = Field(None, gt=0)
     upstream: tuple[str, ...] = ()
+    idle_timeout: float = Field(DEFAULT_IDLE_TIMEOUT, gt=0, allow_inf_nan=False)
 
     @classmethod
     def from_flags(cls, **flags: Any) -> McpOptions:

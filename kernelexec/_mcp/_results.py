@@ -11,13 +11,37 @@ from pydantic import BaseModel
 
 from kernelexec._models import Execution, ToolResult
 
-_ANSI = re.compile(r"\x1b\[[0-?]*[ -/]*[@-~]")
+_ESCAPES = re.compile(
+    r"\x1b\][^\x07\x1b]*(?:\x07|\x1b\\|$)"  # OSC: title, clipboard (52), links (8), ...
+    r"|\x1b[PX^_][^\x1b]*(?:\x1b\\|$)"  # DCS, SOS, PM, APC strings
+    r"|\x1b\[[0-?]*[ -/]*[@-~]"  # CSI: colours, cursor moves, erasing
+    r"|\x1b[ -/]*[0-~]"  # the other escape sequences (ESC c resets the terminal)
+    r"|\x1b"  # a lone ESC
+    r"|\x9d[^\x07\x9c]*(?:\x07|\x9c|$)"  # 8-bit OSC
+    r"|\x9b[0-?]*[ -/]*[@-~]"  # 8-bit CSI
+    r"|[\x80-\x9f]"  # C1 controls (8-bit CSI and OSC among them)
+)
+_CONTROLS = re.compile(r"[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")  # C0 except \t \n \r
 IMAGE_TYPES = ("image/png", "image/jpeg", "image/gif", "image/webp")
 
 
 def strip_ansi(text: str) -> str:
-    """``text`` without terminal colour and cursor codes (IPython colours its tracebacks)."""
-    return _ANSI.sub("", text)
+    """``text`` as plain text: no terminal control sequences (colours, cursor moves, OSC
+    titles, clipboard writes and links, resets), no control characters but tab and newline,
+    and carriage returns applied as a terminal would (``"50%\\r100%"`` shows ``100%``).
+    """
+    text = _ESCAPES.sub("", text)
+    if "\r" in text:
+        text = "\n".join(_overwritten(line) for line in text.replace("\r\n", "\n").split("\n"))
+    return _CONTROLS.sub("", text)
+
+
+def _overwritten(line: str) -> str:
+    """What a terminal shows of ``line``: each carriage return writes over it from column 0."""
+    shown = ""
+    for part in line.split("\r"):
+        shown = part + shown[len(part) :]
+    return shown
 
 
 class ErrorInfo(BaseModel):
@@ -52,7 +76,9 @@ def error_info(execution: Execution) -> ErrorInfo | None:
     if err is None:
         return None
     lines = [strip_ansi(line) for line in err.traceback]
-    return ErrorInfo(kind=err.kind, name=err.ename, message=err.evalue, traceback="\n".join(lines))
+    return ErrorInfo(
+        kind=err.kind, name=err.ename, message=strip_ansi(err.evalue), traceback="\n".join(lines)
+    )
 
 
 def _images(execution: Execution) -> list[types.ImageContent]:
@@ -95,11 +121,11 @@ def _text_block(
     if execution.stderr:
         parts.append(f"[stderr]\n{strip_ansi(execution.stderr).rstrip()}")
     for text in _displayed_text(execution):
-        parts.append(f"[display]\n{text}")
+        parts.append(f"[display]\n{strip_ansi(text)}")
     if result is not None:
-        parts.append(f"[result]\n{result}")
+        parts.append(f"[result]\n{strip_ansi(result)}")
     if error is not None:
-        head = f"[error: {error.kind}] {error.name}: {error.message}"
+        head = f"[error: {error.kind}] {error.name}: {strip_ansi(error.message)}"
         parts.append(f"{head}\n{error.traceback}" if error.traceback else head)
     if execution.kernel_restarted:
         lost = ", ".join(execution.lost_variables) or "nothing"
@@ -120,9 +146,9 @@ def run_python_result(
     structured = RunPythonResult(
         session=session,
         status=execution.status,
-        stdout=execution.stdout,
-        stderr=execution.stderr,
-        result=execution.result,
+        stdout=strip_ansi(execution.stdout),
+        stderr=strip_ansi(execution.stderr),
+        result=None if execution.result is None else strip_ansi(execution.result),
         error=error,
         images=[image.mime_type for image in images],
         execution_count=execution.execution_count,
@@ -150,8 +176,8 @@ def tool_call_result(result: ToolResult, session: str) -> types.CallToolResult:
         "session": session,
         "status": result.status,
         "return": result.func_return,
-        "stdout": result.stdout,
-        "stderr": result.stderr,
+        "stdout": strip_ansi(result.stdout),
+        "stderr": strip_ansi(result.stderr),
         "error": error.model_dump() if error else None,
     }
     content: list[types.ContentBlock] = [types.TextContent(type="text", text=text)]

@@ -206,7 +206,10 @@ def _serve_http(server: Server[ServerState], options: McpOptions, sock: socket.s
             "as this user",
             options.host,
         )
-    app = BearerAuth(server.streamable_http_app(host=options.host), token)
+    app = BearerAuth(
+        server.streamable_http_app(host=options.host, session_idle_timeout=options.idle_timeout),
+        token,
+    )
     host, port = sock.getsockname()[:2]
     shown = f"[{host}]" if ":" in host else host
     log.info(

@@ -16,12 +16,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from kernelexec._core._executor import AsyncKernelExecutor
-from kernelexec._core._session import AsyncSession
 from kernelexec._exceptions import ConfigError
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # the server answers initialize before the kernel machinery is imported
     from kernelexec._branching._family import AsyncSnapshot
+    from kernelexec._core._executor import AsyncKernelExecutor
+    from kernelexec._core._session import AsyncSession
 
 log = logging.getLogger("kernelexec.mcp")
 

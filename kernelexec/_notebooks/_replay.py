@@ -136,13 +136,18 @@ async def areplay(
     *,
     default_timeout: float = 60.0,
     max_timeout: float | None = None,
+    build_requirements: bool = False,
     host_functions: HostFunctions | None = None,
     **config: Any,
 ) -> ReplayReport:
     """Run a notebook's code cells top to bottom in a fresh kernel and compare the outputs.
 
-    The kernel runs in the recorded environment (a recorded venv is rebuilt from its
-    requirements, or reused from the cache). Cells recorded by kernelexec are re-run with the
+    A notebook is untrusted input: the kernel gets the executor's default isolation (unless
+    ``isolation`` is given), and nothing in the notebook's metadata names a host program to run
+    (a recorded interpreter is ignored: venvs are made from kernelexec's own). A recorded venv
+    is reused from the cache; building its requirements (whose build backends run code) needs
+    ``build_requirements=True``, and then happens under the replay kernels' isolation.
+    Cells recorded by kernelexec are re-run with the
     timeout they had, and the kernel is
     restarted where the recorded session got a fresh kernel, so a recorded timeout or lost
     state replays as it happened. Calls that were rejected before running are skipped, and so are
@@ -154,6 +159,8 @@ async def areplay(
         path: The notebook.
         default_timeout: Seconds allowed for a cell that has no recorded timeout.
         max_timeout: The most any cell may take, whatever its recorded timeout (None: no cap).
+        build_requirements: Build the recorded venv's requirements when the cache does not
+            hold it already.
         host_functions: Host functions to expose to the replay (a list: module ``tools``; or
             a dict of module name -> functions) instead of answering host calls as recorded.
         **config: Other :class:`~kernelexec.ExecutorConfig` fields for the replay's executor.
@@ -161,7 +168,8 @@ async def areplay(
     Raises:
         NotebookError: the file is missing or not a valid notebook, or a recorded
             ``timeout_s`` is not a finite positive number (checked before anything runs).
-        ConfigError: ``default_timeout`` or ``max_timeout`` is not a finite positive number.
+        ConfigError: ``default_timeout`` or ``max_timeout`` is not a finite positive number,
+            or the recorded venv would have to be built and ``build_requirements`` is False.
     """
     default_timeout = valid_timeout(default_timeout, "default_timeout")
     if max_timeout is not None:
@@ -175,12 +183,23 @@ async def areplay(
     report = ReplayReport(notebook=str(path))
     recorded_env = (nb.metadata.get(KEY) or {}).get("env") or {}
     if recorded_env.get("kind") == "venv" and "env" not in config:
-        # Rebuilt (or reused from the cache) from the recorded requirements.
-        config["env"] = VenvEnv(
-            requirements=tuple(recorded_env.get("requirements") or ()),
-            python=recorded_env.get("python"),
-        )
+        # Rebuilt (or reused from the cache) from the recorded requirements, from kernelexec's
+        # own interpreter: the recorded one is a path the notebook's author chose.
+        requirements = recorded_env.get("requirements") or ()
+        if not isinstance(requirements, list | tuple) or not all(
+            isinstance(r, str) for r in requirements
+        ):
+            raise NotebookError("the recorded env's requirements are not a list of strings")
+        config["env"] = VenvEnv(requirements=tuple(requirements))
     async with AsyncKernelExecutor(default_timeout=default_timeout, **config) as ex:
+        env = ex.env
+        building = isinstance(env, VenvEnv) and env.requirements and not build_requirements
+        if building and isinstance(env, VenvEnv) and not ex.builder.is_built(env):
+            raise ConfigError(
+                f"the recording's venv ({', '.join(env.requirements)}) is not built; "
+                "building runs the requirements' own code: pass build_requirements=True "
+                "(CLI: --build-requirements) to build it under the replay's isolation"
+            )
         session = await ex.session("replay")
         if host_functions is not None:
             if not isinstance(host_functions, dict):

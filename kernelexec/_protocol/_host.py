@@ -16,7 +16,7 @@ from typing import Any, cast
 
 from pydantic import BaseModel
 
-from kernelexec import _json
+from kernelexec import _json, _proctitle
 from kernelexec._models import ErrorKind, ExecError
 from kernelexec._protocol import _kernel_side as kernel_side
 from kernelexec._tools._tool import Tool
@@ -129,6 +129,7 @@ def bootstrap_request(
                 "report_expression": REPORT_EXPRESSION,
                 "fast_paths": fast_paths,
                 "fast_calls": fast_calls,
+                "title_source": _proctitle.SOURCE,
                 "flow_control": flow_control,
             }
         },

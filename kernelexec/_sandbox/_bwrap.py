@@ -2,7 +2,8 @@
 
 The kernel sees a read-only view of the system directories and of its interpreter (the venv and
 the Python it was made from), its own directory (connection file, ipc sockets) and the
-executor's session directories writable, a private size-capped ``/tmp``, and nothing else of the
+executor's session directories writable, a private size-capped ``/tmp`` and ``/dev/shm``, and
+nothing else of the
 host: no home, no ``/run`` (a read-only bind does not stop ``connect()`` on a unix socket), no
 other kernel's directory. It gets its own PID, IPC, UTS and (unless ``network=True``) network
 namespaces, dies with its launcher, and on a root host runs as its own user through ``setpriv``
@@ -18,7 +19,8 @@ from pathlib import Path
 INSTALL_HINT = "apt-get install -y bubblewrap"
 SYSTEM_DIRS = ("/usr", "/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32", "/etc")
 TMP_MB = 256
-"""Size of the kernel's private ``/tmp`` (a tmpfs is host memory)."""
+"""Size of the kernel's private ``/tmp`` and ``/dev/shm`` when none is given (a tmpfs is host
+memory)."""
 
 
 def bwrap_path() -> str | None:
@@ -39,6 +41,7 @@ def bwrap_argv(
     chdir: str,
     network: bool,
     uid: int | None,
+    tmp_mb: int = TMP_MB,
 ) -> list[str]:
     """The command-line prefix that runs a command inside the sandbox (append the command)."""
     bwrap = bwrap_path()
@@ -53,7 +56,9 @@ def bwrap_argv(
         elif os.path.isdir(path):
             argv += ["--ro-bind", path, path]
     argv += ["--dev", "/dev", "--proc", "/proc"]
-    argv += ["--perms", "1777", "--size", str(TMP_MB * 1024 * 1024), "--tmpfs", "/tmp"]
+    size = str((tmp_mb or TMP_MB) * 1024 * 1024)
+    argv += ["--perms", "1777", "--size", size, "--tmpfs", "/tmp"]
+    argv += ["--perms", "1777", "--size", size, "--tmpfs", "/dev/shm"]
     mounted = {"/", "/tmp", "/dev", "/proc"}
     targets = sorted({os.path.realpath(p) for p in readonly + writable})
     made: set[str] = set()

@@ -4,6 +4,10 @@ share and process count, and for killing every process of a kernel at once.
 A kernel's group is made under the host process's own group of each hierarchy, named
 ``kx-<host pid>-<n>``; a host killed before it could remove its groups leaves them empty
 (the launcher kills their processes), and :func:`sweep_stale` removes them later.
+
+An executor's memory budget is a parent group (:class:`BudgetGroup`, ``kx-<host pid>-b<n>``)
+in the memory hierarchy, holding the memory groups of all of its kernels: when they reach it
+together, the kernel OOM killer picks the largest process among them.
 """
 
 from __future__ import annotations
@@ -150,8 +154,9 @@ class KernelCgroup:
         self.paths = paths
 
     @classmethod
-    def create(cls, limits: dict[str, float]) -> KernelCgroup:
-        """Make the kernel's groups and write ``limits`` (names of :class:`kernelexec.Limits`).
+    def create(cls, limits: dict[str, float], budget: BudgetGroup | None = None) -> KernelCgroup:
+        """Make the kernel's groups and write ``limits`` (names of :class:`kernelexec.Limits`);
+        its memory group goes under ``budget``'s when one is given.
 
         Raises:
             OSError: a group could not be made or a limit written.
@@ -160,9 +165,11 @@ class KernelCgroup:
         name = f"kx-{os.getpid()}-{next(_counter)}"
         paths: list[Path] = []
         made = cls(paths)
+        under = budget.path if budget is not None else None
         try:
             if sup.v2 is not None:
-                path = sup.v2.base / name
+                memory_here = "memory" in sup.v2_controllers and under is not None
+                path = (under if memory_here and under else sup.v2.base) / name
                 path.mkdir()
                 paths.append(path)
                 for limit, value in limits.items():
@@ -173,7 +180,8 @@ class KernelCgroup:
                 values = {k: v for k, v in limits.items() if CONTROLLERS.get(k) == ctrl}
                 if not values and sup.v2 is not None:
                     continue  # v2 kills; a v1 group is only needed for a limit
-                path = hier.base / name
+                base = under if ctrl == "memory" and under is not None else hier.base
+                path = base / name
                 path.mkdir()
                 paths.append(path)
                 for limit, value in values.items():
@@ -207,6 +215,22 @@ class KernelCgroup:
                             return int(value)
         return 0
 
+    def reached_own_limit(self) -> bool:
+        """Whether the group's memory use ever came to its own limit (v1: the peak within
+        4 MiB of ``memory.limit_in_bytes``; v2: a ``max`` event): False when an OOM kill came
+        from a budget above it. (v1 ``memory.failcnt`` is not kept by recent kernels.)"""
+        for path in self.paths:
+            with contextlib.suppress(OSError, ValueError):
+                peak = int((path / "memory.max_usage_in_bytes").read_text())
+                limit = int((path / "memory.limit_in_bytes").read_text())
+                return peak >= limit - 4 * 1024 * 1024
+            with contextlib.suppress(OSError, ValueError):
+                for line in (path / "memory.events").read_text().splitlines():
+                    key, _, value = line.partition(" ")
+                    if key == "max":
+                        return int(value) > 0
+        return True
+
     def kill(self, timeout: float = 5.0) -> bool:
         """Kill every process in the groups; return True once they are empty."""
         for path in self.paths:
@@ -231,6 +255,10 @@ class KernelCgroup:
             return
         self.kill()
         for path in self.paths:
+            with contextlib.suppress(OSError):
+                for child in path.iterdir():  # a budget's kernel groups a dead host left
+                    if child.is_dir() and child.name.startswith("kx-"):
+                        KernelCgroup([child]).remove()
             for _ in range(100):  # a killed process leaves its group a moment after it died
                 try:
                     path.rmdir()
@@ -240,6 +268,62 @@ class KernelCgroup:
                 except OSError:
                     time.sleep(0.005)
         self.paths = []
+
+
+class BudgetGroup:
+    """The parent memory group of an executor's kernels: made when its first kernel starts,
+    removed when its last one has ended (:meth:`enter`, :meth:`leave`)."""
+
+    def __init__(self, budget_mb: float) -> None:
+        self.budget_mb = budget_mb
+        self.path: Path | None = None
+        self._kernels = 0
+
+    @staticmethod
+    def hierarchy() -> Hierarchy | None:
+        """Where budgets live on this host: the memory hierarchy, or None."""
+        sup = support()
+        if "memory" in sup.v2_controllers and sup.v2 is not None:
+            return sup.v2
+        return sup.v1.get("memory")
+
+    def enter(self) -> None:
+        """A kernel is about to start in the budget: make the group if it is not there.
+
+        Raises:
+            OSError: the group could not be made or its limit written.
+        """
+        if self.path is None:
+            hier = self.hierarchy()
+            if hier is None:
+                raise OSError("no writable cgroup memory controller for the memory budget")
+            path = hier.base / f"kx-{os.getpid()}-b{next(_counter)}"
+            path.mkdir()
+            try:
+                size = str(int(self.budget_mb) * 1024 * 1024)
+                if hier.version == 2:
+                    _enable_v2(path)
+                    (path / "memory.max").write_text(size)
+                else:
+                    (path / "memory.limit_in_bytes").write_text(size)
+                    swap = path / "memory.memsw.limit_in_bytes"
+                    if swap.exists():
+                        with contextlib.suppress(OSError):
+                            swap.write_text(size)
+            except BaseException:
+                KernelCgroup([path]).remove()
+                raise
+            self.path = path
+        self._kernels += 1
+
+    def leave(self) -> None:
+        """A kernel of the budget has ended (its own group removed): the last one removes
+        the group."""
+        self._kernels -= 1
+        if self._kernels <= 0 and self.path is not None:
+            path, self.path = self.path, None
+            self._kernels = 0
+            KernelCgroup([path]).remove()
 
 
 def _v2_value(limit: str, value: float) -> str:

@@ -1,7 +1,9 @@
 """The launcher that sits between the host and a kernel: it puts the kernel in its cgroups,
-sets its rlimits, bridges the paths its user cannot reach (``_mounts``), drops it to its own
-user, and reaps every descendant when the kernel ends, the host asks it to stop, or the host
-dies.
+sets its rlimits, bridges the paths its user cannot reach and gives it a private scratch space
+(``_mounts``), takes user namespaces away (``_seccomp``), drops it to its own user, and reaps
+every descendant when the kernel ends, the host asks it to stop, or the host dies. Confined
+builds of tool-named requirements run under it too (``_build``), with an empty network
+namespace where their kernels get no network.
 
 It is standard-library Python run as text (``python -c``) by the host's interpreter, so it
 works for any kernel interpreter. It makes itself a child subreaper, so processes the kernel
@@ -23,11 +25,15 @@ import json
 import sys
 from typing import Any
 
-from kernelexec._sandbox import _mounts
+from kernelexec import _proctitle
+from kernelexec._sandbox import _mounts, _seccomp
 
 # jupyter-client substitutes "{name}" in every argument: this text must contain none.
 SOURCE = (
-    r"""# kernelexec launcher
+    "# kernelexec launcher\n"
+    + _proctitle.SOURCE
+    + f"kx_set_title({_proctitle.LAUNCHER!r}, {_proctitle.COMMS[_proctitle.LAUNCHER]!r})\n"
+    + r"""
 import ctypes, json, os, resource, signal, sys, time
 cfg = json.loads(sys.argv[1])
 argv = sys.argv[2:]
@@ -84,7 +90,11 @@ def setup():
             fh.write(str(os.getpid()))
     for res, value in cfg["rlimits"]:
         resource.setrlimit(res, (value, value))
-    bridge(cfg["bridges"])
+    bridge(cfg["bridges"], cfg["scratch"])
+    if cfg["netns"] and libc.unshare(0x40000000) != 0:  # CLONE_NEWNET: no network at all
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET)")
+    if cfg["no_userns"]:
+        drop_userns()
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     os.umask(0o077)
@@ -98,6 +108,7 @@ def setup():
         os._exit(1)
 """
     + _mounts.SOURCE
+    + _seccomp.SOURCE
     + r"""
 launcher = os.getpid()
 run_kernel = globals().get("run_kernel")
@@ -144,17 +155,26 @@ def launcher_config(
     uid: int | None,
     host_pid: int,
     bridges: list[tuple[str, list[str]]] | None = None,
+    scratch: dict[str, Any] | None = None,
+    no_userns: bool = False,
+    netns: bool = False,
 ) -> dict[str, Any]:
     """The launcher's configuration: the cgroup ``procs`` files to join, the rlimits, the
-    kernel's uid, the process that must be its parent, and the paths to bridge (see
-    :mod:`kernelexec._sandbox._mounts`). The plain launch passes it on the command line; a
-    fork server hands it to the launcher it runs in the forked child."""
+    kernel's uid, the process that must be its parent, the paths to bridge and the private
+    scratch space (see :mod:`kernelexec._sandbox._mounts`), and whether user namespaces are
+    taken away (:mod:`kernelexec._sandbox._seccomp`) and the network (an empty network
+    namespace: ``netns``, used for builds; kernels under bwrap get bwrap's). The plain launch
+    passes it on the command line; a fork server hands it to the launcher it runs in the
+    forked child."""
     return {
         "procs": procs,
         "rlimits": rlimits,
         "uid": uid,
         "host": host_pid,
         "bridges": bridges or [],
+        "scratch": scratch,
+        "no_userns": no_userns,
+        "netns": netns,
     }
 
 

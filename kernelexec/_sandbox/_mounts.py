@@ -10,7 +10,14 @@ sees ``D`` holding only those paths, which keep their own owners and modes; ever
 under ``D`` is gone from its view. Nothing changes for the host: ``/`` is made private first, so
 no mount propagates back, and the namespace ends with the last process of the kernel.
 
-:data:`SOURCE` is standard-library code the launcher runs as text (``bridge(bridges)``);
+The same namespace holds the kernel's private scratch space: one size-capped tmpfs over
+``/tmp`` (``max_disk_mb``) with ``/var/tmp`` and ``/dev/shm`` bound from directories in it, the
+paths the kernel needs under ``/tmp`` bound back, and (with it) an IPC namespace of its own, so
+nothing a tenant plants there reaches another and nothing outlives the kernel. A needed path may
+also be a single file (a build's local wheel in a private directory): it is bound onto an empty
+file.
+
+:data:`SOURCE` is standard-library code the launcher runs as text (``bridge(bridges, scratch)``);
 :func:`plan` decides on the host which directories to bridge and what to bring back into each;
 :func:`support` tries the mechanism once per host process.
 """
@@ -32,10 +39,12 @@ from kernelexec._sandbox import _users
 
 # jupyter-client substitutes "{name}" in every argument of a kernel's command line: this text
 # (part of the launcher's) must contain none.
-SOURCE = r'''
-def bridge(bridges):
-    """Private mount namespace; each [blocked dir, [needed paths]] bridged (root only)."""
-    if not bridges:
+SOURCE = r"""
+def bridge(bridges, scratch=None):
+    # Private mount namespace; each [blocked dir, [needed paths]] bridged. With scratch (size
+    # in bytes, keep: paths under /tmp, ipc: bool) a private /tmp, /var/tmp and /dev/shm on one
+    # size-capped tmpfs, the kept paths bound back. Root only.
+    if not bridges and not scratch:
         return
     import ctypes, os
     libc = ctypes.CDLL(None, use_errno=True)
@@ -48,28 +57,53 @@ def bridge(bridges):
             err = ctypes.get_errno()
             raise OSError(err, what + " " + target + ": " + os.strerror(err))
 
-    if libc.unshare(0x00020000) != 0:
+    flags = 0x00020000
+    if scratch and scratch["ipc"]:
+        flags |= 0x08000000  # CLONE_NEWIPC: SysV objects die with the kernel
+    if libc.unshare(flags) != 0:
         err = ctypes.get_errno()
         raise OSError(err, "unshare(CLONE_NEWNS): " + os.strerror(err))
     mount(b"none", "/", None, rec | private, None, "making private")
     cwd = os.getcwd()
     mask = os.umask(0o022)
-    for top, paths in bridges:
-        # Descriptors first: once the tmpfs is over top, its paths are only reachable
-        # through them.
-        fds = [(os.open(path, os.O_PATH | os.O_DIRECTORY), path) for path in paths]
-        flags = nosuid | nodev | noexec
-        mount(b"kernelexec", top, b"tmpfs", flags, b"mode=0755,size=64k,nr_inodes=4096",
-              "mounting a tmpfs over")
-        for fd, path in fds:
-            os.makedirs(path, 0o755, exist_ok=True)
+    # Descriptors first: once a tmpfs is over a directory, its paths are only reachable
+    # through them.
+    def grab(path):
+        return os.open(path, os.O_PATH), path, os.path.isdir(path)
+
+    opened = [[grab(p) for p in paths] for _, paths in bridges]
+    kept = [grab(p) for p in scratch["keep"]] if scratch else []
+
+    def bind_back(fds):
+        for fd, path, is_dir in fds:
+            if is_dir:
+                os.makedirs(path, 0o755, exist_ok=True)
+            else:  # a single file (a build's local wheel): bound onto an empty one
+                os.makedirs(os.path.dirname(path), 0o755, exist_ok=True)
+                os.close(os.open(path, os.O_WRONLY | os.O_CREAT, 0o644))
             mount(("/proc/self/fd/" + str(fd)).encode(), path, None, bind | rec, None,
                   "binding")
             os.close(fd)
+
+    if scratch:
+        size = ("mode=1777,size=" + str(scratch["size"])).encode()
+        mount(b"kernelexec", "/tmp", b"tmpfs", nosuid | nodev, size, "mounting a tmpfs over")
+        for place, name in (("/dev/shm", ".shm"), ("/var/tmp", ".var-tmp")):
+            if os.path.isdir(place) and not os.path.islink(place):
+                inner = "/tmp/" + name
+                os.mkdir(inner)
+                os.chmod(inner, 0o1777)
+                mount(inner.encode(), place, None, bind, None, "binding scratch over")
+        bind_back(kept)
+    for (top, _), fds in zip(bridges, opened):
+        flags = nosuid | nodev | noexec
+        mount(b"kernelexec", top, b"tmpfs", flags, b"mode=0755,size=64k,nr_inodes=4096",
+              "mounting a tmpfs over")
+        bind_back(fds)
         mount(None, top, None, remount | flags | 1, None, "making read-only")
     os.umask(mask)
     os.chdir(cwd)
-'''
+"""
 
 
 class CannotBridge(Exception):

@@ -10,15 +10,17 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shutil
 import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from functools import lru_cache
+from typing import Any
 
 import psutil
 
 from kernelexec._exceptions import ConfigError, KernelStartError
-from kernelexec._sandbox import _bwrap, _cgroups, _mounts, _users
+from kernelexec._sandbox import _bwrap, _cgroups, _mounts, _seccomp, _users
 
 LEVELS = ("none", "process", "bwrap")
 
@@ -32,11 +34,29 @@ def default_limits() -> dict[str, float]:
       host's process table (ipykernel itself needs about 12 threads).
     * ``max_open_files``: 4096, a common hard limit; below 128 ipykernel cannot start.
 
+    * ``memory_budget_mb``: three quarters of the host's memory for all of an executor's
+      kernels together, so sixteen kernels at the per-kernel default cannot commit eight
+      times the host's memory; a quarter stays for the host.
+    * ``max_disk_mb``: a quarter of the smaller of the temp dir's free space and the host's
+      memory (the scratch space is a tmpfs: memory, then swap), at least 64 MiB.
+
     No CPU limit (the scheduler shares cores between spinning kernels; ask for ``cpus`` to
     cap one) and no file size limit (it bounds one file, not the disk; give ``max_file_mb``).
     """
-    half = psutil.virtual_memory().total // (2 * 1024 * 1024)
-    return {"memory_mb": float(half), "max_processes": 512.0, "max_open_files": 4096.0}
+    total = psutil.virtual_memory().total
+    half = total // (2 * 1024 * 1024)
+    try:
+        free = shutil.disk_usage(tempfile.gettempdir()).free
+    except OSError:
+        free = total
+    disk = max(64, min(free, total) // (4 * 1024 * 1024))
+    return {
+        "memory_mb": float(half),
+        "max_processes": 512.0,
+        "max_open_files": 4096.0,
+        "max_disk_mb": float(disk),
+        "memory_budget_mb": float(total * 3 // (4 * 1024 * 1024)),
+    }
 
 
 AS_FLOOR_MB = 384
@@ -61,6 +81,12 @@ class SandboxPlan:
     limits_text: dict[str, str] = field(default_factory=dict)
     boundaries: dict[str, str] = field(default_factory=dict)
     given: dict[str, float] = field(default_factory=dict)
+    scratch_mb: int = 0
+    """Size of the kernel's private ``/tmp``, ``/var/tmp`` and ``/dev/shm`` (0: the host's)."""
+    no_userns: bool = False
+    """Whether the launcher takes user namespaces away (:mod:`kernelexec._sandbox._seccomp`)."""
+    budget_mb: float = 0
+    """Memory of all of an executor's kernels together (0: no budget)."""
 
     def limit_of(self, name: str) -> str:
         """``"memory_mb=256"``: a limit with its value, for errors."""
@@ -78,9 +104,25 @@ class SandboxPlan:
             return []
         dirs = [d for d in handed if d]
         try:
-            return _mounts.plan([*self.reach, *dirs], dirs)
+            found = _mounts.plan([*self.reach, *dirs], dirs)
         except _mounts.CannotBridge as exc:
             raise KernelStartError(f"the kernel's user cannot reach what it needs: {exc}") from None
+        if self.scratch_mb and self.level == "process":
+            # The private /tmp brings back what the kernel needs under /tmp itself.
+            found = [(top, paths) for top, paths in found if not _under_tmp(top)]
+        return found
+
+    def scratch(self, *handed: str | None) -> dict[str, Any] | None:
+        """The launcher's private scratch space for a kernel given ``handed`` directories: the
+        size, the paths under ``/tmp`` it needs back (its interpreter, its directories) and
+        whether it gets its own IPC namespace; None when the host's are kept (see
+        :mod:`kernelexec._sandbox._mounts`)."""
+        if not self.scratch_mb or self.level != "process":
+            return None
+        needed = sorted({os.path.realpath(p) for p in [*self.reach, *(d for d in handed if d)]})
+        keep = [p for p in needed if _under_tmp(p) and p != "/tmp"]
+        keep = [p for p in keep if not any(q != p and p.startswith(q + "/") for q in keep)]
+        return {"size": self.scratch_mb * 1024 * 1024, "keep": keep, "ipc": True}
 
 
 @lru_cache(maxsize=32)
@@ -160,17 +202,37 @@ def make_plan(
         # Import paths beyond the prefixes (editable installs) are bridged when they can be.
         reach += tuple(p for p in _interpreter(python)[1] if _bridgeable(p))
     own_user, user_text, bridges = _user_plan(level, root, reach, workdir)
+    # A private /tmp, /var/tmp and /dev/shm: bwrap's own, or at "process" the launcher's mount
+    # namespace, which needs a root host that allows one.
+    private = level == "bwrap" or (own_user and _mounts.support() is None)
     sup = _cgroups.support()
     limits = {**default_limits(), **given}
     cg: dict[str, float] = {}
     rl: list[tuple[int, int]] = []
     env: dict[str, str] = {}
     text: dict[str, str] = {}
+    scratch_mb = 0
+    budget_mb = 0.0
     for name, value in sorted(limits.items()):
         explicit = name in given
         mech = sup.mechanism(name)
         shown = f"{value:g}"
-        if mech is not None:
+        if name == "memory_budget_mb":
+            hier = _cgroups.BudgetGroup.hierarchy()
+            if hier is None:
+                if explicit:
+                    raise ConfigError(
+                        f"memory_budget_mb={shown} needs a writable cgroup memory controller "
+                        "(cgroup v2, or v1 as root), which this host does not offer"
+                    )
+                continue
+            budget_mb = value
+            file = "memory.max" if hier.version == 2 else "memory.limit_in_bytes"
+            text[name] = (
+                f"{shown} (cgroup v{hier.version} {file} of a parent group holding every kernel "
+                "of the executor)"
+            )
+        elif mech is not None:
             cg[name] = value
             text[name] = f"{shown} ({mech})"
         elif name == "memory_mb":
@@ -203,6 +265,21 @@ def make_plan(
             rl.append((res, amount))
             mechanism = "RLIMIT_NOFILE" if name == "max_open_files" else "RLIMIT_FSIZE"
             text[name] = f"{shown} ({mechanism} per process)"
+        elif name == "max_disk_mb":
+            if not private:
+                if explicit:
+                    raise ConfigError(
+                        f"max_disk_mb={shown} needs a private mount namespace for the kernel's "
+                        "scratch space: isolation='bwrap', or 'process' on a root host"
+                    )
+                continue
+            scratch_mb = int(value)
+            places = (
+                "/tmp, /var/tmp and /dev/shm: one tmpfs"
+                if level == "process"
+                else ("/tmp and /dev/shm: a tmpfs each")
+            )
+            text[name] = f"{shown} ({places}; not the session directory)"
         elif explicit:
             raise ConfigError(
                 f"{name}={shown} cannot be enforced here: it needs a writable cgroup "
@@ -215,6 +292,9 @@ def make_plan(
                 )
             )
     kill = sup.kill
+    # Root-run bwrap creates no user namespace of its own, so the filter does not get in its
+    # way; an unprivileged bwrap needs one.
+    no_userns = _seccomp.supported() and (level == "process" or root)
     bounds = {
         "environment": "only the allowlisted variables and env_vars; HOME is the kernel's own "
         "directory",
@@ -233,22 +313,37 @@ def make_plan(
                 f"; of the directories other users cannot search, its mount namespace shows "
                 f"only what it needs: {shown}"
             )
-        bounds["network"] = "the host's (no network namespace at this level)"
+        if scratch_mb:
+            bounds["filesystem"] += (
+                f"; a private /tmp, /var/tmp and /dev/shm (one {scratch_mb} MiB tmpfs, gone "
+                "with the kernel)"
+            )
+            env["TMPDIR"] = "/tmp"
+        else:
+            bounds["filesystem"] += "; the host's /tmp, /var/tmp and /dev/shm (shared)"
+        bounds["network"] = "the host's (no network namespace at this level; abstract unix "
+        bounds["network"] += "sockets are shared with every process of the host)"
         bounds["processes"] = "the host's /proc" + (
             "; other users' /proc/<pid>/environ unreadable" if own_user else ""
         )
+        if scratch_mb:
+            bounds["processes"] += "; own IPC namespace (SysV objects end with the kernel)"
         reap = "subreaper launcher (restart, shutdown; host death via PR_SET_PDEATHSIG)"
     else:
         net = network is True
         bounds["filesystem"] = (
             "bwrap: read-only system directories and interpreter, the session directories and a "
-            f"private {_bwrap.TMP_MB} MB /tmp writable, nothing else of the host"
+            f"private {scratch_mb} MiB /tmp and /dev/shm writable, nothing else of the host"
         )
         bounds["network"] = (
             "the host's (network=True)" if net else "bwrap: own network namespace, loopback only"
         )
         bounds["processes"] = "bwrap: own PID, IPC and UTS namespaces"
         reap = "PID namespace + --die-with-parent + subreaper launcher (host death: PDEATHSIG)"
+    if no_userns:
+        bounds["processes"] += "; no user namespaces (seccomp: unshare/clone CLONE_NEWUSER fail)"
+    else:
+        bounds["processes"] += "; user namespaces allowed (no seccomp filter on this host)"
     bounds["descendants"] = f"{kill} + {reap}" if kill else reap
     return SandboxPlan(
         level=level,
@@ -257,17 +352,24 @@ def make_plan(
         rlimits=rl,
         extra_env=env,
         own_user=own_user,
-        bridge=bool(bridges),
+        bridge=bool(bridges) or (level == "process" and bool(scratch_mb)),
         reach=reach,
-        use_cgroup=bool(cg) or kill is not None,
+        use_cgroup=bool(cg) or kill is not None or bool(budget_mb),
         readonly=paths,
         limits_text=text,
         boundaries=bounds,
         given=dict(given),
+        scratch_mb=scratch_mb,
+        no_userns=no_userns,
+        budget_mb=budget_mb,
     )
 
 
 Bridges = list[tuple[str, list[str]]]
+
+
+def _under_tmp(path: str) -> bool:
+    return path == "/tmp" or path.startswith("/tmp/")
 
 
 def _kernel_dir() -> str:

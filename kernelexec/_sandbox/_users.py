@@ -2,8 +2,7 @@
 the host's can reach a path, and handing a directory over to a kernel's user.
 
 No account is created: the uid exists only as the owner of the kernel's processes and files.
-A kernel's uid is derived from the inode of its private directory, which no other live kernel
-directory shares, so two live kernels never get the same uid (also across host processes).
+Uids are handed out by :mod:`kernelexec._sandbox._uids` (one record for the whole machine).
 """
 
 from __future__ import annotations
@@ -14,18 +13,10 @@ from pathlib import Path
 
 from kernelexec._tempdirs import KERNEL_UID_BASE as UID_BASE
 
-# Kernel uids are UID_BASE + n: far above system, login and subordinate-id ranges.
-_UID_SPAN = 100_000_000
-
 
 def is_root() -> bool:
     """Whether the host runs as root (kernels can then run as users of their own)."""
     return hasattr(os, "geteuid") and os.geteuid() == 0
-
-
-def uid_for(directory: str) -> int:
-    """The uid of the kernel whose private directory is ``directory``."""
-    return UID_BASE + os.stat(directory).st_ino % _UID_SPAN
 
 
 def blocked(path: str) -> str | None:
@@ -54,8 +45,8 @@ def allow_search(path: str) -> None:
 def hand_back(path: str, uid: int) -> None:
     """Give what ``uid`` owns in ``path`` back to the host's user (the kernel has ended).
 
-    A later kernel may get the same uid (uids follow inode numbers, which are reused), so
-    nothing a kernel made may stay owned by its uid once it is gone.
+    The uid is released once its kernel has ended, and nothing a kernel made may stay owned
+    by a uid that a much later kernel could get again.
     """
     host = os.geteuid()
     for root, dirs, files in os.walk(path):

@@ -9,17 +9,18 @@ import textwrap
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import jsonschema
 import referencing
 import referencing.exceptions
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from kernelexec import _json
 from kernelexec._exceptions import NotebookError, ToolDefinitionError, ToolSchemaWarning
-from kernelexec._notebooks._authoring import tool_cells
 from kernelexec._tools._schema import function_schema
+
+if TYPE_CHECKING:
+    import jsonschema
 
 
 class Tool(BaseModel):
@@ -118,6 +119,8 @@ class Tool(BaseModel):
         Raises:
             NotebookError: the notebook is unreadable or a tagged cell is not a valid tool.
         """
+        from kernelexec._notebooks._authoring import tool_cells  # nbformat: on first use
+
         tools: dict[str, Tool] = {}
         for cell in tool_cells(path):
             try:
@@ -199,6 +202,12 @@ class Tool(BaseModel):
             return problems  # the schema is not checked against what is not JSON
         schema = self.parameters_schema
         if self._validator is None:
+            # Imported on first use: importing jsonschema builds rfc3987-syntax's grammars
+            # when that package is installed (1.2 s of CPU here), which every program that
+            # imports kernelexec's models would pay at start (the MCP server before it can
+            # answer ``initialize``).
+            import jsonschema
+
             try:
                 cls = jsonschema.validators.validator_for(schema)
                 cls.check_schema(schema)

@@ -199,11 +199,17 @@ class KernelBackend(abc.ABC):
             directories are host paths that kernelexec creates and removes; False when they are
             paths on the kernel's side (made by the kernel when a session starts).
         default_isolation: The isolation level of kernels when the executor names none.
+        filters_env: True when the service that starts kernels may drop variables of
+            :attr:`KernelLaunch.env` (a gateway passes on only those on its whitelist):
+            kernelexec then also sets the executor's ``env_vars`` in each fresh kernel, with
+            the first request a session sends it (too late for what the interpreter reads at
+            start, such as ``PYTHONPATH``).
     """
 
     name: ClassVar[str] = "custom"
     host_filesystem: ClassVar[bool] = False
     default_isolation: ClassVar[str] = "none"
+    filters_env: ClassVar[bool] = False
 
     @abc.abstractmethod
     async def start(self, launch: KernelLaunch, *, timeout: float) -> KernelConnection:
@@ -261,6 +267,18 @@ class KernelBackend(abc.ABC):
 
         With :meth:`release`, lets a backend keep helpers (a fork server) for as long as some
         executor uses it. The default does nothing.
+        """
+        return None
+
+    def reserve(self, kernels: int) -> None:
+        """An executor made with ``max_kernels=kernels`` holds this backend (called once, when
+        it is made, before :meth:`hold`).
+
+        A backend whose kernels cost this process resources (descriptors, sockets) makes room
+        for that many here, or raises when the host cannot. The default does nothing.
+
+        Raises:
+            HostLimitError: the host cannot hold ``kernels`` kernels.
         """
         return None
 

@@ -38,16 +38,26 @@ import threading
 import time
 from typing import IO, Any
 
+from kernelexec import _proctitle
 from kernelexec._sandbox import _launcher
 from kernelexec.backends._stderr import stderr_tail
 
 log = logging.getLogger("kernelexec")
 
-SOURCE = r"""# kernelexec fork server
-import ctypes, json, os, signal, socket, sys
+SOURCE = (
+    "# kernelexec fork server\n"
+    + _proctitle.SOURCE
+    + f"kx_set_title({_proctitle.FORK_SERVER!r}, {_proctitle.COMMS[_proctitle.FORK_SERVER]!r})\n"
+    + f"KERNEL_COMM = {_proctitle.COMMS[_proctitle.KERNEL]!r}\n"
+    + r"""
+import ctypes, gc, json, os, signal, socket, sys
+# No collection while the server imports, and what it imported frozen before the first fork:
+# a child's collections then never write to the pages it shares with the server.
+gc.disable()
 libc = ctypes.CDLL(None, use_errno=True)
 libc.prctl(1, signal.SIGKILL, 0, 0, 0)
-host, fd, launcher_source = int(sys.argv[1]), int(sys.argv[2]), sys.argv[3]
+host, fd = int(sys.argv[1]), int(sys.argv[2])
+launcher_code = compile(sys.argv[3], "<kernelexec launcher>", "exec")  # once, shared by forks
 if os.getppid() != host:
     sys.exit(1)
 chan = socket.socket(fileno=fd)
@@ -69,9 +79,13 @@ try:
     import ipykernel.debugger
 except ImportError:
     pass
+gc.collect()
+gc.freeze()
 
 def run_kernel(req):
     import atexit, tempfile, time, traceback
+    kx_set_title(req["title"], KERNEL_COMM)
+    gc.enable()  # in the kernel only: the launcher allocates little and lives long
     tempfile.tempdir = None
     time.tzset()
     sys.argv = ["-c"] + req["argv"]
@@ -111,7 +125,7 @@ def child(req, fds):
         run_kernel(req)
     sys.argv = ["-c", json.dumps(req["launcher"])]
     space = {"__name__": "__kx_launcher__", "run_kernel": lambda: run_kernel(req)}
-    exec(compile(launcher_source, "<kernelexec launcher>", "exec"), space)
+    exec(launcher_code, space)
 
 def answer(reply):
     chan.send(json.dumps(reply).encode())
@@ -150,6 +164,7 @@ while True:
         except ChildProcessError:
             answer({"status": None})
 """
+)
 
 # Read by Python or the C library when the interpreter starts: a fork cannot change them.
 _STARTUP_PREFIXES = ("PYTHON", "LC_", "MALLOC_", "LD_", "GLIBC_")
@@ -330,9 +345,11 @@ class ForkServer:
         cwd: str,
         stderr: int,
         launcher: dict[str, Any] | None,
+        title: str,
     ) -> int:
         """Fork a kernel: ``argv`` for ``IPKernelApp``, run under the launcher with the
-        configuration ``launcher`` (its ``host`` is this server), or directly when None.
+        configuration ``launcher`` (its ``host`` is this server), or directly when None; the
+        kernel shows ``title`` in ``ps``.
         Blocking (the first fork waits until the server has imported ipykernel).
 
         Raises:
@@ -340,7 +357,14 @@ class ForkServer:
         """
         if self._proc is None:
             raise ForkServerError("the fork server is not started")
-        req = {"op": "fork", "argv": argv, "env": env, "cwd": cwd, "launcher": launcher}
+        req = {
+            "op": "fork",
+            "argv": argv,
+            "env": env,
+            "cwd": cwd,
+            "launcher": launcher,
+            "title": title,
+        }
         reply = self._request(req, (stderr,))
         if "pid" not in reply:
             raise ForkServerError(f"the fork server could not fork: {reply.get('error')}")
@@ -398,12 +422,16 @@ class ForkedProcess:
         self._pidfd: int | None = os.pidfd_open(pid)
         server.live += 1
 
-    def _ended(self, timeout: float) -> bool:
+    def _ended(self, timeout: float | None) -> bool:
+        """Whether the process has ended, waiting at most ``timeout`` seconds (None: no
+        limit)."""
         fd = self._pidfd
         if fd is None:
             return True
-        readable, _, _ = select.select([fd], [], [], timeout)
-        return bool(readable)
+        # poll(), not select(): select cannot take a descriptor above 1023 (the 128th kernel).
+        poller = select.poll()
+        poller.register(fd, select.POLLIN)
+        return bool(poller.poll(None if timeout is None else max(0.0, timeout) * 1000))
 
     def poll(self) -> int | None:
         """The exit status once the process has ended (reaping it), else None."""
@@ -429,7 +457,7 @@ class ForkedProcess:
             subprocess.TimeoutExpired: it still runs after ``timeout`` seconds.
         """
         if not self._done:
-            if not self._ended(timeout if timeout is not None else 1e9):
+            if not self._ended(timeout):
                 raise subprocess.TimeoutExpired(str(self.pid), timeout or 0)
             self._reap()
         return self.returncode

@@ -117,6 +117,7 @@ class ForkServers:
         cwd: str,
         stderr: int,
         launcher: dict[str, Any] | None,
+        title: str,
     ) -> ForkedProcess | None:
         """Fork a kernel from ``server`` (see :meth:`ForkServer.fork`; ``stderr`` is duplicated
         for the call); None when the server is unusable (it is dropped; launch the plain way).
@@ -127,7 +128,9 @@ class ForkServers:
 
         def blocking() -> int:
             try:
-                return server.fork(argv=argv, env=env, cwd=cwd, stderr=errfd, launcher=launcher)
+                return server.fork(
+                    argv=argv, env=env, cwd=cwd, stderr=errfd, launcher=launcher, title=title
+                )
             finally:
                 os.close(errfd)
 

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit
 
 from kernelexec._aio import finish_shielded, finish_then_cancel
-from kernelexec._exceptions import ConfigError, KernelStartError
+from kernelexec._exceptions import ConfigError, KernelExecError, KernelStartError
 from kernelexec.backends._base import (
     KernelBackend,
     KernelConnection,
@@ -126,6 +126,7 @@ class GatewayBackend(KernelBackend):
 
     name = "gateway"
     host_filesystem = False
+    filters_env = True  # Kernel Gateway and Enterprise Gateway drop what is not whitelisted
 
     def __init__(
         self,
@@ -265,51 +266,73 @@ class GatewayConnection(KernelConnection):
         await self._connect(open_timeout=None)
 
     async def _connect(self, open_timeout: float | None) -> None:
-        client = _websockets()
-        from websockets.exceptions import InvalidStatus
-
-        backend = self._backend
-        assert self.kernel_id is not None
-        url = f"{ws_url(backend.url)}/api/kernels/{self.kernel_id}/channels"
         try:
-            ws = await client.connect(
-                f"{url}?session_id={self._session}",
-                additional_headers=self._rest.auth_headers,
-                subprotocols=[V1] if backend.offer_v1 else None,
-                compression=None,
-                max_size=backend.max_message_bytes,
-                max_queue=None,
-                ping_interval=backend.ping_interval,
-                ping_timeout=backend.ping_interval,
-                open_timeout=open_timeout,
-                close_timeout=2,
-                proxy=None,
-                ssl=backend.ssl_context if backend.url.startswith("https") else None,
-                user_agent_header="kernelexec",
-                logger=_WS_LOG,
-            )
-        except InvalidStatus as exc:
+            ws = await self._open(open_timeout)
+        except Exception as exc:
+            raise self._translated(exc) from None
+        try:
+            while self._outbox:
+                await ws.send(self._outbox[0])
+                del self._outbox[0]
+        except Exception as exc:
+            ws.transport.abort()  # what was not sent stays queued for the next connection
+            raise self._translated(exc) from None
+        self._ws = ws
+        self._v1 = ws.subprotocol == V1
+        self._sock = ws.transport.get_extra_info("socket") if self._backend.quickack else None
+        self._heard = time.monotonic()
+        self._dropped_at = None
+
+    def _translated(self, exc: Exception) -> Exception:
+        """The one place where a failure of the websocket library becomes kernelexec's own
+        exception: no ``websockets`` exception leaves this backend."""
+        from websockets.exceptions import InvalidStatus, WebSocketException
+
+        url = self._backend.url
+        if isinstance(exc, InvalidStatus):
             code = exc.response.status_code
             if code in (401, 403):
                 what = "refused the token" if self._rest.has_token else "requires a token"
-                raise ConfigError(f"the gateway at {backend.url} {what} (HTTP {code})") from None
+                return ConfigError(f"the gateway at {url} {what} (HTTP {code})")
             if code == 404:
-                raise KernelGone(f"the gateway at {backend.url} no longer has the kernel") from None
-            raise KernelStartError(
-                f"the gateway at {backend.url} refused the kernel's websocket (HTTP {code})"
-            ) from None
-        except (OSError, asyncio.TimeoutError) as exc:
-            raise GatewayUnreachable(
-                f"the gateway at {backend.url} is unreachable: {exc or type(exc).__name__}"
-            ) from None
-        self._ws = ws
-        self._v1 = ws.subprotocol == V1
-        self._sock = ws.transport.get_extra_info("socket") if backend.quickack else None
-        self._heard = time.monotonic()
-        self._dropped_at = None
-        outbox, self._outbox = self._outbox, []
-        for frame in outbox:
-            await ws.send(frame)
+                return KernelGone(f"the gateway at {url} no longer has the kernel")
+            return KernelStartError(
+                f"the gateway at {url} refused the kernel's websocket (HTTP {code})"
+            )
+        if isinstance(exc, OSError | asyncio.TimeoutError | WebSocketException):
+            # Refused, reset, timed out, or cut mid-handshake (a gateway killed while it
+            # answers gives InvalidMessage, a closed socket ConnectionClosed).
+            return GatewayUnreachable(
+                f"the gateway at {url} is unreachable: {exc or type(exc).__name__}"
+            )
+        if isinstance(exc, KernelExecError):
+            return exc
+        return KernelStartError(
+            f"the websocket to the gateway at {url} failed: {type(exc).__name__}: {exc}"
+        )
+
+    async def _open(self, open_timeout: float | None) -> ClientConnection:
+        client = _websockets()
+        backend = self._backend
+        assert self.kernel_id is not None
+        url = f"{ws_url(backend.url)}/api/kernels/{self.kernel_id}/channels"
+        ws: ClientConnection = await client.connect(
+            f"{url}?session_id={self._session}",
+            additional_headers=self._rest.auth_headers,
+            subprotocols=[V1] if backend.offer_v1 else None,
+            compression=None,
+            max_size=backend.max_message_bytes,
+            max_queue=None,
+            ping_interval=backend.ping_interval,
+            ping_timeout=backend.ping_interval,
+            open_timeout=open_timeout,
+            close_timeout=2,
+            proxy=None,
+            ssl=backend.ssl_context if backend.url.startswith("https") else None,
+            user_agent_header="kernelexec",
+            logger=_WS_LOG,
+        )
+        return ws
 
     async def restart(self) -> None:
         # A fresh kernel rather than POST .../restart: the gateway's own restart would arrive

@@ -39,12 +39,14 @@ import zmq.asyncio
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
+from kernelexec import _proctitle
 from kernelexec._exceptions import ConfigError, KernelStartError
-from kernelexec._sandbox import _cgroups, _users
+from kernelexec._sandbox import _cgroups, _uids, _users
 from kernelexec._sandbox._bwrap import bwrap_argv
 from kernelexec._sandbox._launcher import launcher_argv, launcher_config
 from kernelexec._sandbox._plan import SandboxPlan, make_plan
 from kernelexec._tempdirs import make_owned_dir
+from kernelexec.backends import _hostlimits
 from kernelexec.backends._base import (
     KernelBackend,
     KernelConnection,
@@ -82,16 +84,33 @@ _LEAN_LAUNCHER = (
     "kernelapp.launch_new_instance()\n"
 )
 
+
+def lean_launcher(title: str) -> str:
+    """The lean launcher's text for a plain kernel that shows ``title`` in ``ps``."""
+    comm = _proctitle.COMMS[_proctitle.KERNEL]
+    return f"{_proctitle.SOURCE}kx_set_title({title!r}, {comm!r})\n{_LEAN_LAUNCHER}"
+
+
 _CONTEXT: zmq.asyncio.Context | None = None
+_OLD_CONTEXTS: list[zmq.asyncio.Context] = []  # kept: their sockets may still be open
+_SOCKETS = _hostlimits.ZMQ_DEFAULT_SOCKETS
 log = logging.getLogger("kernelexec")
 _cgroups_swept = False
 
 
 def _context() -> zmq.asyncio.Context:
-    """kernelexec's zmq context: sockets retry a not-yet-bound kernel every 10 ms, not 100."""
+    """kernelexec's zmq context: sockets retry a not-yet-bound kernel every 10 ms, not 100, and
+    it holds the sockets of every kernel reserved (zmq's default cap is 1,023 sockets).
+
+    The cap is fixed once the context has a socket: when more are reserved later, new
+    kernels get a new context with a higher cap (the old one stays for its sockets)."""
     global _CONTEXT
+    if _CONTEXT is not None and _CONTEXT.get(zmq.MAX_SOCKETS) < _SOCKETS:
+        _OLD_CONTEXTS.append(_CONTEXT)
+        _CONTEXT = None
     if _CONTEXT is None:
         _CONTEXT = zmq.asyncio.Context()
+        _CONTEXT.set(zmq.MAX_SOCKETS, _SOCKETS)
         _CONTEXT.setsockopt(zmq.RECONNECT_IVL, 10)
     return _CONTEXT
 
@@ -123,6 +142,7 @@ _POLL = 0.05
 (a non-blocking ``waitpid``: no I/O)."""
 
 _RECEIVED = ("shell", "iopub", "control")
+_POLLIN = int(zmq.POLLIN)  # a plain int: combining zmq's enum flags costs a call each
 _PENDING_MAX = 1_000
 """Messages taken off the sockets and not yet handed to ``receive``. Past this the sockets are
 left to fill: the kernel then waits for the host (its iopub socket never drops, see
@@ -178,12 +198,23 @@ class LocalBackend(KernelBackend):
         self.fork_server = enabled(fork_server)
         self._plans: dict[tuple[Any, ...], SandboxPlan] = {}
         self.forks = ForkServers()
+        self._budgets: dict[float, _cgroups.BudgetGroup] = {}
+        self._reserved: list[int] = []  # max_kernels of each executor holding the backend
 
     def hold(self) -> None:
         self.forks.hold()
 
+    def reserve(self, kernels: int) -> None:
+        global _SOCKETS
+        total = _hostlimits.reserve(kernels)
+        self._reserved.append(kernels)
+        _SOCKETS = max(_SOCKETS, _hostlimits.sockets_needed(total))
+
     async def release(self) -> None:
         self.forks.release()
+        _remove_left_dirs()
+        if self._reserved:
+            _hostlimits.unreserve(self._reserved.pop())
 
     def launch_kind(self, launch: KernelLaunch) -> str:
         """How kernels of ``launch`` are started: ``"fork server"`` or ``"plain"``."""
@@ -249,6 +280,9 @@ class LocalBackend(KernelBackend):
         if plan.use_cgroup and not _cgroups_swept:
             _cgroups_swept = True
             _cgroups.sweep_stale()  # groups that killed hosts left (their processes are gone)
+        budget = None
+        if plan.budget_mb:
+            budget = self._budgets.setdefault(plan.budget_mb, _cgroups.BudgetGroup(plan.budget_mb))
         conn = LocalConnection(
             python,
             self.extra_args,
@@ -256,6 +290,7 @@ class LocalBackend(KernelBackend):
             plan,
             launch.workdir,
             forks=self.forks if self.launch_kind(launch) == "fork server" else None,
+            budget=budget,
         )
         try:
             await asyncio.wait_for(conn.launch(), timeout)
@@ -263,6 +298,10 @@ class LocalBackend(KernelBackend):
             detail = conn.diagnostics()
             await asyncio.shield(conn.shutdown())
             raise KernelStartError(f"kernel did not start within {timeout:g} s{detail}") from None
+        except (OSError, zmq.ZMQError) as exc:
+            # Out of descriptors or processes, say: a start that failed, not a crash.
+            await asyncio.shield(conn.shutdown())
+            raise KernelStartError(f"could not start a kernel: {exc}") from exc
         except BaseException:
             await asyncio.shield(conn.shutdown())
             raise
@@ -281,6 +320,7 @@ class KernelTenant:
     workdir: str | None
     uid: int | None
     kdir: str
+    budget: _cgroups.BudgetGroup | None = None
 
 
 class LocalConnection(KernelConnection):
@@ -294,8 +334,12 @@ class LocalConnection(KernelConnection):
         plan: SandboxPlan | None = None,
         workdir: str | None = None,
         forks: ForkServers | None = None,
+        budget: _cgroups.BudgetGroup | None = None,
     ) -> None:
         self._python = python
+        self._budget = budget
+        self._in_budget = False
+        self._owns_uid = False  # a branch runs as its family's uid: the first kernel's
         self._forks = forks
         self._forked: ForkedProcess | None = None
         self.launched_by = ""
@@ -331,17 +375,15 @@ class LocalConnection(KernelConnection):
         env = dict(self._env)
         if plan is not None:
             if plan.own_user:
-                self._uid = _users.uid_for(kdir)
+                self._uid = await asyncio.to_thread(_uids.allocate)
+                self._owns_uid = True
                 _users.hand_over(kdir, self._uid)
                 if self._workdir:
                     _users.allow_search(self._workdir)
             env["HOME"] = kdir
             env.update(plan.extra_env)
             if plan.use_cgroup:
-                try:
-                    self._cgroup = _cgroups.KernelCgroup.create(plan.cgroup_limits)
-                except OSError as exc:
-                    raise KernelStartError(f"could not set up the kernel's cgroup: {exc}") from exc
+                self._new_cgroup(plan, "kernel")
         own_user = plan is not None and plan.own_user
         env["PATH"] = _users.kernel_path(self._python, env.get("PATH"), own_user=own_user)
         env["IPYTHONDIR"] = os.path.join(kdir, "ipython")
@@ -350,7 +392,7 @@ class LocalConnection(KernelConnection):
         bwrap = plan is not None and plan.level == "bwrap"
         if not bwrap and await self._fork(env, kernel_args, kdir):
             return await self._connect()
-        argv = [self._python, "-c", _LEAN_LAUNCHER, *kernel_args]
+        argv = [self._python, "-c", lean_launcher(self._title()), *kernel_args]
         if plan is not None:
             if bwrap:
                 writable = [kdir, *([self._workdir] if self._workdir else [])]
@@ -362,6 +404,7 @@ class LocalConnection(KernelConnection):
                         chdir=kdir,
                         network=plan.network,
                         uid=self._uid,
+                        tmp_mb=plan.scratch_mb,
                     ),
                     *argv,
                 ]
@@ -396,6 +439,9 @@ class LocalConnection(KernelConnection):
             transport="ipc",
             ip=os.path.join(kdir, "s"),
             connection_file=os.path.join(kdir, "kernel.json"),
+            # Ours: by default each manager makes a zmq context of its own (two threads and
+            # five descriptors per kernel in this process) for its one control socket.
+            context=_context(),
         )
         km.kernel_uid = self._uid
         return km
@@ -427,6 +473,7 @@ class LocalConnection(KernelConnection):
             cwd=kdir,
             stderr=stderr.fileno(),
             launcher=launcher,
+            title=self._title(),
         )
         if forked is None:
             stderr.close()
@@ -468,6 +515,10 @@ class LocalConnection(KernelConnection):
         self._pending.clear()
         self._died = None
 
+    def _title(self) -> str:
+        """The new kernel's title in ``ps`` until a session takes it."""
+        return _proctitle.kernel_title(None, self._plan.level if self._plan else "none")
+
     def _launcher_config(self, kdir: str, parent: int, *, bwrap: bool) -> dict[str, Any]:
         """The launcher's configuration for this kernel; ``parent`` is the process that
         starts the launcher (this one, or the fork server). Under bwrap the user is dropped by
@@ -480,7 +531,23 @@ class LocalConnection(KernelConnection):
             uid=None if bwrap else self._uid,
             host_pid=parent,
             bridges=plan.bridges(kdir, self._workdir),
+            scratch=plan.scratch(kdir, self._workdir),
+            no_userns=plan.no_userns,
         )
+
+    def _new_cgroup(self, plan: SandboxPlan, what: str) -> None:
+        """Make the kernel's cgroup (its memory group in the executor's budget).
+
+        Raises:
+            KernelStartError: the group could not be made.
+        """
+        try:
+            if self._budget is not None and not self._in_budget:
+                self._budget.enter()
+                self._in_budget = True
+            self._cgroup = _cgroups.KernelCgroup.create(plan.cgroup_limits, self._budget)
+        except OSError as exc:
+            raise KernelStartError(f"could not set up the {what}'s cgroup: {exc}") from exc
 
     def diagnostics(self, limit: int = 2000) -> str:
         return stderr_tail(self._stderr, "kernel stderr", limit)
@@ -495,6 +562,7 @@ class LocalConnection(KernelConnection):
             self._workdir,
             self._uid,
             self._dir,
+            self._budget,
         )
 
     def connection_info(self) -> dict[str, Any] | None:
@@ -533,9 +601,7 @@ class LocalConnection(KernelConnection):
         # launcher's code (bubblewrap's command line holds it too).
         try:
             found = [
-                p
-                for p in psutil.Process(pid).children(recursive=True)
-                if any("from ipykernel import kernelapp" in arg for arg in p.cmdline())
+                p for p in psutil.Process(pid).children(recursive=True) if _is_kernel(p.cmdline())
             ]
         except psutil.Error:
             return None
@@ -629,17 +695,19 @@ class LocalConnection(KernelConnection):
     def _drain_ready(self) -> None:
         # zmq's fd only signals changes (edge-triggered): read until the socket itself says
         # nothing is left, or a message that came in meanwhile would wait for the next edge.
-        # Past _PENDING_MAX the rest waits in the socket; ``receive`` drains again once
+        # Asked before each read rather than read until zmq.Again: an exception per empty
+        # socket was eight per call, a sixth of a call's host time (cProfile). Past
+        # _PENDING_MAX the rest waits in the socket; ``receive`` drains again once
         # ``_pending`` is empty.
         for channel, sock in self._drain:
             while len(self._pending) < _PENDING_MAX:
+                events = sock.getsockopt(zmq.EVENTS)
+                if not (isinstance(events, int) and events & _POLLIN):
+                    break
                 try:
                     frames = sock.recv_multipart(zmq.NOBLOCK)
                 except zmq.Again:
-                    events = sock.getsockopt(zmq.EVENTS)
-                    if isinstance(events, int) and events & zmq.POLLIN:
-                        continue
-                    break
+                    continue
                 msg = self._decode(channel, frames)
                 if msg is not None:
                     self._pending.append(msg)
@@ -653,8 +721,13 @@ class LocalConnection(KernelConnection):
         if code is None:
             return None
         limit = ""
-        if self._cgroup is not None and self._plan is not None and self._cgroup.oom_kills():
-            limit = self._plan.limit_of("memory_mb")
+        cgroup, plan, budget = self._cgroup, self._plan, self._budget
+        if cgroup is not None and plan is not None and cgroup.oom_kills():
+            # Killed by the OOM killer without ever reaching its own limit: the budget's.
+            if budget is not None and not cgroup.reached_own_limit():
+                limit = f"memory_budget_mb={budget.budget_mb:g} (the executor's kernels together)"
+            else:
+                limit = plan.limit_of("memory_mb")
         self._died = KernelDied(describe_exit(code), self.diagnostics(), limit)
         return self._died
 
@@ -715,37 +788,77 @@ class LocalConnection(KernelConnection):
         await self.launch()
 
     async def shutdown(self) -> None:
+        # Every step runs even when one before it failed (a start that failed halfway, a host
+        # out of descriptors): a failure is logged, and the directory always goes.
         km, self._km = self._km, None
         kc, self._kc = self._kc, None
+        try:
+            self._close_channels(kc)
+        except Exception as exc:
+            log.warning("closing a kernel's channels failed: %r", exc)
+        self._pending.clear()
+        self._died = KernelDied("the kernel is shut down")
+        try:
+            await self._stop_processes(km)
+        except Exception as exc:
+            log.warning("stopping a kernel failed: %r", exc)
+        finally:
+            await self._release(km)
+
+    def _close_channels(self, kc: Any) -> None:
         for fd in self._fds:
             if self._loop is not None and not self._loop.is_closed():
                 self._loop.remove_reader(fd)
         self._fds = []
         if self._waiter is not None:
             _wake(self._waiter)
-        if kc is not None:
-            kc.stop_channels()
         self._senders = {}
-        for _, sock in self._drain:
+        drain, self._drain = self._drain, []
+        for _, sock in drain:
             sock.close(linger=0)
-        self._drain = []
-        self._pending.clear()
-        self._died = KernelDied("the kernel is shut down")
+        if kc is not None:
+            # Only the channels started: the client's stop_channels() would first open the
+            # stdin and heartbeat sockets it never used, just to ask whether they run.
+            for channel in (kc.shell_channel, kc.iopub_channel, kc.control_channel):
+                if channel.is_alive():
+                    channel.stop()
+
+    async def _stop_processes(self, km: AsyncKernelManager | None) -> None:
         forked, self._forked = self._forked, None
         if forked is not None:
-            await stop_forked(forked, launcher=self._plan is not None)
-            if self._forks is not None:
-                self._forks.kernel_ended(forked.server)
+            try:
+                await stop_forked(forked, launcher=self._plan is not None)
+            finally:
+                if self._forks is not None:
+                    self._forks.kernel_ended(forked.server)
         if km is not None:
             await self._stop_launcher(km)
-            if self._cgroup is not None:
-                cgroup, self._cgroup = self._cgroup, None
+
+    async def _release(self, km: AsyncKernelManager | None) -> None:
+        """What the kernel held on this host: its cgroup (its last processes killed), the
+        directories handed to its user, the process record, its stderr and directory."""
+        if self._cgroup is not None:
+            cgroup, self._cgroup = self._cgroup, None
+            try:
                 await asyncio.to_thread(cgroup.remove)
-            uid, self._uid = self._uid, None
-            entered, self._entered = self._entered, set()
-            if uid is not None:
-                for path in entered:
+            except Exception as exc:
+                log.warning("removing a kernel's cgroup failed: %r", exc)
+        if self._in_budget and self._budget is not None:
+            self._in_budget = False
+            try:
+                self._budget.leave()
+            except Exception as exc:
+                log.warning("removing the executor's memory budget group failed: %r", exc)
+        uid, self._uid = self._uid, None
+        owned, self._owns_uid = self._owns_uid, False
+        entered, self._entered = self._entered, set()
+        if uid is not None:
+            for path in entered:
+                try:
                     await asyncio.to_thread(_users.hand_back, path, uid)
+                except Exception as exc:
+                    log.warning("handing %s back failed: %r", path, exc)
+        if km is not None:
             if km.has_kernel:
                 try:
                     await km.shutdown_kernel(now=True)
@@ -757,8 +870,16 @@ class LocalConnection(KernelConnection):
             self._stderr.close()
             self._stderr = None
         if self._dir:
-            shutil.rmtree(self._dir, ignore_errors=True)
+            _remove_dir(self._dir)
             self._dir = ""
+        if uid is not None and owned:
+            # Only now: the uid's processes are gone and its files handed back or removed.
+            shared = self._plan is None or not self._plan.scratch_mb
+            try:
+                await asyncio.to_thread(_uids.release, uid, shared)
+            except Exception as exc:
+                log.warning("releasing uid %d failed: %r", uid, exc)
+        _remove_left_dirs()
 
     async def _stop_launcher(self, km: AsyncKernelManager) -> None:
         """Have the launcher kill the kernel and every descendant, and wait until it has."""
@@ -782,6 +903,32 @@ async def _kill_process_group(km: AsyncKernelManager) -> None:
         os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
     with contextlib.suppress(Exception):
         proc.wait(timeout=5)
+
+
+_LEFT_DIRS: set[str] = set()
+"""Kernel directories that could not be removed (the host was out of descriptors): tried again
+at every later shutdown and when the backend is released."""
+
+
+def _remove_dir(path: str) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+    if os.path.lexists(path):
+        _LEFT_DIRS.add(path)
+
+
+def _remove_left_dirs() -> None:
+    for path in list(_LEFT_DIRS):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            _LEFT_DIRS.discard(path)
+
+
+def _is_kernel(cmdline: list[str]) -> bool:
+    """Whether a process is a plain-launched kernel: titled one, or still running the lean
+    launcher's code (the moment before it titles itself)."""
+    return " ".join(cmdline).startswith(_proctitle.KERNEL) or any(
+        "from ipykernel import kernelapp" in arg for arg in cmdline
+    )
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:

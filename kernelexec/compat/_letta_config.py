@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,9 @@ def _plain(value: Any) -> Any:
     return dump(mode="json") if callable(dump) else str(value)
 
 
+_MAX_REQUIREMENTS_BYTES = 1_000_000
+
+
 def requirement_line(requirement: Any, where: str) -> str:
     """A requirement as pip takes it: a string as it is; a ``PipRequirement``-like object (or
     ``{"name", "version"}`` dict) as ``name==version``, or ``name`` without a version."""
@@ -142,12 +146,34 @@ def requirement_line(requirement: Any, where: str) -> str:
 
 def requirements_txt(sandbox_dir: str) -> list[str]:
     """The requirement lines of ``sandbox_dir/requirements.txt`` (none when there is no file);
-    relative paths are taken from ``sandbox_dir``."""
+    relative paths are taken from ``sandbox_dir``.
+
+    A tool may write this file (it runs with ``sandbox_dir`` as its working directory), and
+    the host reads it with the host's rights: a symbolic link, a hard link or anything but a
+    regular file is refused unread, so no file the tool could not read itself is shown back
+    (in an error naming the requirements).
+
+    Raises:
+        ConfigError: the file is not a plain regular file, or holds a pip option.
+    """
     path = Path(sandbox_dir) / REQUIREMENTS_TXT
-    if not path.is_file():
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:
         return []
+    except OSError as exc:
+        if os.path.islink(path):
+            raise ConfigError(f"{path} is a symbolic link; it is not read") from None
+        raise ConfigError(f"{path}: {exc.strerror}") from None
+    with os.fdopen(fd, "rb") as fh:
+        st = os.fstat(fh.fileno())
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
+            raise ConfigError(f"{path} is not a regular file with one link; it is not read")
+        text = fh.read(_MAX_REQUIREMENTS_BYTES + 1).decode("utf-8", errors="replace")
+    if len(text) > _MAX_REQUIREMENTS_BYTES:
+        raise ConfigError(f"{path} is larger than {_MAX_REQUIREMENTS_BYTES} bytes")
     lines = []
-    for raw in path.read_text(encoding="utf-8").splitlines():
+    for raw in text.splitlines():
         line = raw.split(" #", 1)[0].strip()
         if not line or line.startswith("#"):
             continue

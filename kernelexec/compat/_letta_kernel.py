@@ -8,6 +8,8 @@ pydantic is used when the kernel's environment has it, as Letta's script does. N
 """
 
 import ast
+import contextlib
+import importlib
 import json
 import os
 import sys
@@ -40,6 +42,51 @@ def _kx_letta_enter(sandbox_dir: str | None) -> None:
         if target in sys.path:
             sys.path.remove(target)
         sys.path.insert(0, target)
+
+
+@contextlib.contextmanager
+def _kx_letta_pythonpath() -> Any:
+    """The run's ``PYTHONPATH`` (a sandbox or agent variable, set only for this run) on
+    ``sys.path`` after ``sandbox_dir`` while the tool runs, as it is for Letta's script, which
+    a fresh interpreter runs with that environment."""
+    entries = [
+        entry
+        for entry in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+        if entry and entry not in sys.path
+    ]
+    sys.path[1:1] = entries
+    try:
+        yield
+    finally:
+        for entry in entries:
+            with contextlib.suppress(ValueError):
+                sys.path.remove(entry)
+
+
+def _kx_letta_state(agent_state: Any, state_class: Any) -> Any:
+    """The agent state as its own class (with its methods) when that class is importable now,
+    with ``sandbox_dir`` and the run's ``PYTHONPATH`` on ``sys.path``; else as it came."""
+    if not isinstance(agent_state, dict) or not isinstance(state_class, str):
+        return agent_state  # already rebuilt (the class was importable), or no class known
+    module_name, _, qualname = state_class.partition(":")
+    try:
+        found: Any = importlib.import_module(module_name)
+        for part in qualname.split("."):
+            found = getattr(found, part)
+        return found.model_validate(agent_state)
+    except Exception:
+        return agent_state
+
+
+def _kx_letta_keep(original: Any, state: Any) -> None:
+    """Changes the tool made to a rebuilt agent state, written back into the data the
+    kernel reports (``original``)."""
+    if state is original or not isinstance(original, dict):
+        return
+    dump = getattr(state, "model_dump", None)
+    if callable(dump):
+        original.clear()
+        original.update(dump(mode="json"))
 
 
 def _kx_letta_client() -> Any:
@@ -143,4 +190,15 @@ def _kx_letta_convert(value: Any) -> Any:
         except Exception as exc:
             print(f"Failed to serialize result with Pydantic wrapper: {exc}")
             value = str(value)
-    return json.loads(json.dumps(value, default=str))
+    text = json.dumps(value, default=str)
+    value = json.loads(text)
+    try:
+        json.dumps(value, allow_nan=False)
+    except ValueError:
+        # NaN or an infinity: Letta's JSON transport gives the float back, kernelexec's
+        # result channel would give the string "NaN"; the host decodes this text itself.
+        return {_KX_LETTA_JSON: text}
+    return value
+
+
+_KX_LETTA_JSON = "__kx_letta_json__"

@@ -30,7 +30,8 @@ class LettaTool:
     Attributes:
         name: The tool's function name.
         tool: The wrapper, a kernelexec :class:`Tool` taking ``args``, ``sandbox_dir`` and
-            ``agent_id`` (and ``agent_state`` when the tool takes one).
+            ``agent_id`` (and ``agent_state`` with its class's import path ``state_class``,
+            ``"module:QualName"``, when the tool takes one).
         inject_agent_state: The function has an ``agent_state`` parameter.
         inject_agent_id: The function has an ``agent_id`` parameter the schema does not list.
         is_async: The function is an ``async def``.
@@ -99,20 +100,28 @@ def _build(name: str, source: str, types_json: str) -> LettaTool:
     inject_state = "agent_state" in params
     inject_id = "agent_id" in params and "agent_id" not in types
     wrapper = WRAPPER_PREFIX + name
-    extra = ", agent_state=None" if inject_state else ""
+    extra = ", agent_state=None, state_class=None" if inject_state else ""
     define = "async def" if is_async else "def"
     body = [
         f"{define} {wrapper}(args, sandbox_dir=None, agent_id=None{extra}):",
         "    global client",
         "    _kx_letta_enter(sandbox_dir)",
-        "    client = _kx_letta_client()",
-        f"    kwargs = _kx_letta_coerce({name}, args, {types!r})",
+        "    with _kx_letta_pythonpath():",
+        "        client = _kx_letta_client()",
+        f"        kwargs = _kx_letta_coerce({name}, args, {types!r})",
     ]
     if inject_state:
-        body.append("    kwargs['agent_state'] = agent_state")
+        body.append("        state = _kx_letta_state(agent_state, state_class)")
+        body.append("        kwargs['agent_state'] = state")
     if inject_id:
-        body.append("    kwargs['agent_id'] = agent_id")
-    body.append(f"    return _kx_letta_convert({'await ' if is_async else ''}{name}(**kwargs))")
+        body.append("        kwargs['agent_id'] = agent_id")
+    call = f"{'await ' if is_async else ''}{name}(**kwargs)"
+    if inject_state:
+        body.append(f"        value = {call}")
+        body.append("        _kx_letta_keep(agent_state, state)")
+        body.append("        return _kx_letta_convert(value)")
+    else:
+        body.append(f"        return _kx_letta_convert({call})")
     text = "\n\n".join(["from typing import *", _helpers(), source.rstrip(), "\n".join(body)])
     schema = {
         "name": wrapper,
@@ -123,6 +132,7 @@ def _build(name: str, source: str, types_json: str) -> LettaTool:
                 "args": {"type": "object"},
                 "sandbox_dir": {"type": ["string", "null"]},
                 "agent_id": {"type": ["string", "null"]},
+                "state_class": {"type": ["string", "null"]},
             },
             "required": ["args"],
             "additionalProperties": False,

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import functools
+import json
 import os
 import re
 import shutil
@@ -242,6 +243,12 @@ class AsyncToolSandboxKernel:
             },
         )
         call_args = {"args": self.args, "sandbox_dir": config.sandbox_dir, "agent_id": agent_id}
+        if letta_tool.inject_agent_state and isinstance(agent_state, BaseModel):
+            # Rebuilt in the kernel with sandbox_dir and the run's PYTHONPATH on sys.path,
+            # where Letta's script would import it from (the kernel side tries before those
+            # are in place).
+            cls = type(agent_state)
+            call_args["state_class"] = f"{cls.__module__}:{cls.__qualname__}"
         runner = _executor()
         result = await runner.run(
             _call,
@@ -327,6 +334,17 @@ async def _recreate(executor: AsyncKernelExecutor, env: VenvEnv, agent: str) -> 
         await session.restart()
 
 
+_JSON_KEY = "__kx_letta_json__"  # _letta_kernel's carrier for values with NaN or infinities
+
+
+def _decoded(value: Any) -> Any:
+    """A return value as Letta's JSON transport gives it: a value that held NaN or an infinity
+    comes as its JSON text, decoded here (floats stay floats)."""
+    if isinstance(value, dict) and len(value) == 1 and isinstance(value.get(_JSON_KEY), str):
+        return json.loads(value[_JSON_KEY])
+    return value
+
+
 def _letta_result(
     result: ToolResult,
     letta_tool: LettaTool,
@@ -339,7 +357,7 @@ def _letta_result(
     if error is None:
         return ToolExecutionResult(
             status="success",
-            func_return=result.func_return,
+            func_return=_decoded(result.func_return),
             agent_state=result.agent_state if letta_tool.inject_agent_state else None,
             stdout=stdout,
             stderr=[result.stderr] if result.stderr else [],

@@ -104,7 +104,9 @@ class ToolDebugger(w.VBox):
         self.summary = w.HTML("")
         self.history_view = HistoryView(self._load)
         self.variables_view = VariablesView()
-        self.export_path = w.Text(description="export to", value=f"{safe_filename(agent_id)}.ipynb")
+        self._default_export = f"{safe_filename(agent_id)}.ipynb"
+        self._exported: dict[Path, tuple[int, int]] = {}  # what export wrote: mtime_ns, size
+        self.export_path = w.Text(description="export to", value=self._default_export)
         self.export_button = w.Button(description="Export notebook")
         self.export_status = w.HTML("")
 
@@ -230,21 +232,61 @@ class ToolDebugger(w.VBox):
             self.interrupt()
         return self._worker.submit(self._restart)
 
-    def export(self, path: str | Path | None = None) -> Path:
-        """Write the session's recording (a notebook ``kernelexec replay`` re-runs).
+    def export(self, path: str | Path | None = None, *, overwrite: bool = False) -> Path:
+        """Write the session's recording (a notebook ``kernelexec replay`` re-runs); return
+        the path written.
+
+        A file is never overwritten unless it is one this debugger exported itself (and
+        nobody changed since) or ``overwrite`` is True. With no name given (``path`` None
+        and the "export to" field at its default) a free name is picked next to the default
+        (``debug-1.ipynb``, ...; the same one on later exports); a name the user gave that
+        exists is refused.
+
+        Args:
+            path: Where to write (None: the "export to" field).
+            overwrite: Replace an existing file at a name the user gave.
 
         Raises:
-            ConfigError: the executor does not record (create it with ``record=True``).
+            ConfigError: the executor does not record (create it with ``record=True``), or
+                the named file exists.
         """
         notebook = self._session().notebook
         if notebook is None:
             raise ConfigError(
                 "the executor does not record sessions: create it with record=True to export"
             )
+        named = path is not None or self.export_path.value != self._default_export
         target = Path(path if path is not None else self.export_path.value).expanduser()
+        if target.exists() and not overwrite and not self._wrote(target):
+            if named:
+                raise ConfigError(
+                    f"{target} exists and was not written by this debugger: name another "
+                    "file, or pass overwrite=True to replace it"
+                )
+            target = self._free_name(target)
         target.parent.mkdir(parents=True, exist_ok=True)
         write_atomic(target, nbformat.writes(notebook))
+        stat = target.stat()
+        self._exported[target.resolve()] = (stat.st_mtime_ns, stat.st_size)
         return target
+
+    def _free_name(self, target: Path) -> Path:
+        """``target`` with the first ``-N`` suffix that names no file, or names this
+        debugger's own earlier export (which is brought up to date)."""
+        n = 1
+        while True:
+            candidate = target.with_name(f"{target.stem}-{n}{target.suffix}")
+            if not candidate.exists() or self._wrote(candidate):
+                return candidate
+            n += 1
+
+    def _wrote(self, target: Path) -> bool:
+        """Whether ``target`` is, unchanged, a file this debugger exported."""
+        try:
+            stat = target.stat()
+        except OSError:
+            return False
+        return self._exported.get(target.resolve()) == (stat.st_mtime_ns, stat.st_size)
 
     def close(self) -> None:
         """Close the widget; a debugger that started its own executor shuts it down."""

@@ -25,6 +25,12 @@ _STYLE = {"description_width": "12em"}
 _WIDE = w.Layout(width="36em")
 
 
+def css_class(name: str) -> str:
+    """``name`` as one CSS class token: a class with a space (``"env vars"``) makes the
+    browser's ``classList.add`` throw on every render."""
+    return re.sub(r"[^A-Za-z0-9_-]", "-", name)
+
+
 class FieldProblem(Exception):
     """What is wrong with a field's current value (shown next to it)."""
 
@@ -47,7 +53,7 @@ class Field:
         self.required = required
         self.default = schema.get("default", UNSET)
         self.input = self._make_input(f"{name} *" if required else name)
-        self.input.add_class(f"kx-field-{name}")
+        self.input.add_class(css_class(f"kx-field-{name}"))
         help_text = str(schema.get("description") or "")
         if self.default is not UNSET:
             help_text += f" (default: {json.dumps(self.default, ensure_ascii=False)})"

@@ -1,0 +1,200 @@
+"""One agent's session for a framework adapter, driven from synchronous or asynchronous code.
+
+Adapters take either executor: a :class:`~kernelexec.KernelExecutor` (the blocking facade, whose
+calls run on its own loop thread) or an :class:`~kernelexec.AsyncKernelExecutor` (running on the
+caller's loop or on a loop in another thread). When they are given none, they own a blocking one,
+made on first use (building an adapter starts nothing), and close it with themselves.
+
+Every operation is a coroutine function of the agent's :class:`~kernelexec.AsyncSession`, run on
+the executor's loop: :meth:`AgentKernel.call` waits for it from a plain thread,
+:meth:`AgentKernel.acall` awaits it from any event loop (cancelling the caller cancels it there).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import uuid
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+from kernelexec._config import make_config
+from kernelexec._core._executor import AsyncKernelExecutor
+from kernelexec._core._session import AsyncSession
+from kernelexec._exceptions import ExecutorClosedError
+from kernelexec._models import Execution
+from kernelexec._sync import KernelExecutor
+
+T = TypeVar("T")
+
+SessionOp = Callable[[AsyncSession], Awaitable[T]]
+
+
+class AgentKernel:
+    """The session of one agent on a shared or owned executor.
+
+    Args:
+        prefix: Start of the generated agent id when ``agent_id`` is None.
+        agent_id: The session's agent id (default: ``<prefix>-<random>``).
+        executor: An executor to share (not closed by :meth:`close`), or None to own one.
+        executor_config: :class:`~kernelexec.ExecutorConfig` fields for an owned executor.
+    """
+
+    def __init__(
+        self,
+        prefix: str,
+        agent_id: str | None,
+        executor: KernelExecutor | AsyncKernelExecutor | None,
+        executor_config: dict[str, Any],
+    ) -> None:
+        if executor is not None and executor_config:
+            names = ", ".join(sorted(executor_config))
+            raise TypeError(f"pass either executor= or executor settings ({names}), not both")
+        if executor is not None and not isinstance(executor, KernelExecutor | AsyncKernelExecutor):
+            raise TypeError(
+                "executor must be a kernelexec.KernelExecutor or AsyncKernelExecutor, "
+                f"not {type(executor).__name__}"
+            )
+        if agent_id is not None and (not isinstance(agent_id, str) or not agent_id):
+            raise TypeError("agent_id must be a non-empty str")
+        self.agent_id = agent_id or f"{prefix}-{uuid.uuid4().hex[:12]}"
+        self.owned = executor is None
+        self._config = dict(executor_config)
+        if executor is None:  # refuse a bad setting now, though the executor is made later
+            facade = {"backend", "backend_options", "on_progress"}
+            make_config(**{k: v for k, v in executor_config.items() if k not in facade})
+        self._executor = executor
+        self._made = threading.Lock()
+        self._session: AsyncSession | None = None
+        self._closed = False
+
+    @property
+    def executor(self) -> KernelExecutor | AsyncKernelExecutor:
+        """The executor the session runs on (an owned one is made here, on first use)."""
+        if self._executor is None:
+            with self._made:
+                if self._executor is None:
+                    self._executor = KernelExecutor(**self._config)
+        return self._executor
+
+    @property
+    def started(self) -> bool:
+        """Whether the session was made (by this adapter or, when attaching, before it)."""
+        return self._session is not None
+
+    def _async_executor(self) -> tuple[AsyncKernelExecutor, asyncio.AbstractEventLoop]:
+        if self._closed:
+            raise ExecutorClosedError(f"the adapter of agent {self.agent_id!r} was closed")
+        ex = self.executor
+        if isinstance(ex, KernelExecutor):
+            ex._portal._state.check()  # a closed facade's loop is gone: fail, never hang
+            return ex._async, ex._portal._loop
+        loop = ex.loop
+        if loop is None:
+            raise RuntimeError(
+                "the AsyncKernelExecutor is not started: `async with` it (or await start()) "
+                "before handing it to a framework adapter"
+            )
+        return ex, loop
+
+    def session_exists(self) -> bool:
+        """Whether the executor holds an open session of this agent (for attaching by id)."""
+        ex, _ = self._async_executor()
+        return self.agent_id in ex.sessions
+
+    async def _with_session(self, op: SessionOp[T]) -> T:
+        if self._session is None:
+            ex, _ = self._async_executor()
+            self._session = await ex.session(self.agent_id)
+        return await op(self._session)
+
+    def call(self, op: SessionOp[T]) -> T:
+        """Run ``op(session)`` on the executor's loop and wait for it (from a plain thread)."""
+        _, loop = self._async_executor()
+        try:
+            running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is loop:
+            raise RuntimeError(
+                "a synchronous framework called kernelexec from the executor's own event-loop "
+                "thread, which would deadlock; run the agent in a worker thread "
+                "(asyncio.to_thread) or pass a KernelExecutor"
+            )
+        future = asyncio.run_coroutine_threadsafe(self._with_session(op), loop)
+        try:
+            return future.result()
+        except BaseException:
+            future.cancel()
+            raise
+
+    async def acall(self, op: SessionOp[T]) -> T:
+        """Await ``op(session)`` from any event loop; cancelling the caller cancels it."""
+        _, loop = self._async_executor()
+        if asyncio.get_running_loop() is loop:
+            return await self._with_session(op)
+        future = asyncio.run_coroutine_threadsafe(self._with_session(op), loop)
+        return await asyncio.wrap_future(future)
+
+    def run_code(self, code: str, timeout: float | None = None) -> Execution:
+        """Run code in the agent's kernel and wait for the result."""
+        ex = self.executor
+        if isinstance(ex, KernelExecutor):
+            return ex.session(self.agent_id).run_code(code, timeout=timeout)
+        return self.call(lambda session: session.run_code(code, timeout=timeout))
+
+    def close(self) -> None:
+        """Close the agent's session, and the executor when the adapter made it. Idempotent."""
+        if self._closed:
+            return
+        ex = self._executor
+        if ex is None:
+            self._closed = True
+            return
+        if self.owned:
+            self._closed = True
+            assert isinstance(ex, KernelExecutor)
+            ex.close()
+            return
+        session, self._session = self._session, None
+        if isinstance(ex, KernelExecutor):
+            if self.agent_id in ex.sessions:
+                ex.session(self.agent_id).close()
+        elif session is not None:
+            self.call(lambda _: session.aclose())
+        self._closed = True
+
+    async def aclose(self) -> None:
+        """:meth:`close` from an event loop."""
+        if self._closed:
+            return
+        ex = self._executor
+        if ex is None:
+            self._closed = True
+            return
+        if self.owned:
+            self._closed = True
+            assert isinstance(ex, KernelExecutor)
+            await asyncio.to_thread(ex.close)
+            return
+        session, self._session = self._session, None
+        if session is not None:
+            await self.acall(lambda _: session.aclose())
+        self._closed = True
+
+
+def describe_execution(result: Execution) -> str:
+    """A run as a tool's answer to a model: its output, its value or its error."""
+    parts = []
+    if result.stdout:
+        parts.append(result.stdout.rstrip("\n"))
+    if result.stderr:
+        parts.append(f"[stderr]\n{result.stderr.rstrip()}")
+    if result.error is not None:
+        error = result.error
+        parts.append(f"{error.ename}: {error.evalue}" if error.ename else error.evalue)
+        if result.kernel_restarted:
+            parts.append("(the interpreter was restarted: earlier variables are gone)")
+    elif result.result is not None:
+        parts.append(result.result)
+    return "\n".join(parts) or "(no output)"

@@ -1,0 +1,350 @@
+"""openai-agents Sandbox Agents on kernelexec: ``SandboxRunConfig(client=KernelSandboxClient())``.
+
+:class:`KernelSandboxClient` is a sandbox client (``BaseSandboxClient``) whose sessions are
+kernelexec sessions, one per sandbox session (so one per agent run, or per agent when the run
+config passes the same session): its ``exec_command`` runs in the session's kernel (its own user
+and limits at ``"process"``), files move through the kernel with ``session.files``, and the
+manifest's root is the session's working directory (a kernel's user cannot make
+``/workspace``). :class:`KernelPython` is a capability with a ``python`` tool on the same kernel,
+so the agent's Python state persists between steps and shares files with its commands.
+
+Needs the ``openai-agents`` extra: ``pip install 'kernelexec[openai-agents]'``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import io
+import signal
+import threading
+import uuid
+from pathlib import Path, PurePosixPath
+from typing import Any, Literal
+
+try:
+    from agents import function_tool
+    from agents.sandbox.capabilities.capability import Capability
+    from agents.sandbox.errors import (
+        ExecTimeoutError,
+        ExecTransportError,
+        WorkspaceArchiveReadError,
+        WorkspaceArchiveWriteError,
+        WorkspaceReadNotFoundError,
+    )
+    from agents.sandbox.manifest import Manifest
+    from agents.sandbox.session.base_sandbox_session import BaseSandboxSession
+    from agents.sandbox.session.sandbox_client import BaseSandboxClient, BaseSandboxClientOptions
+    from agents.sandbox.session.sandbox_session import SandboxSession
+    from agents.sandbox.session.sandbox_session_state import SandboxSessionState
+    from agents.sandbox.session.workspace_payloads import coerce_write_payload
+    from agents.sandbox.snapshot import SnapshotBase, SnapshotSpec, resolve_snapshot
+    from agents.sandbox.types import ExecResult, User
+    from agents.tool import Tool
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        f"kernelexec.compat.openai_agents needs openai-agents ({exc.name} is missing): "
+        "pip install 'kernelexec[openai-agents]'"
+    ) from exc
+
+from kernelexec._config import make_config
+from kernelexec._core._executor import AsyncKernelExecutor
+from kernelexec._core._session import AsyncSession
+from kernelexec._exceptions import KernelExecError, SessionFileError
+from kernelexec._files._commands import BackgroundCommand
+from kernelexec._sync import KernelExecutor
+from kernelexec.compat._bridge import AgentKernel, describe_execution
+
+__all__ = [
+    "KernelPython",
+    "KernelSandboxClient",
+    "KernelSandboxClientOptions",
+    "KernelSandboxSession",
+    "KernelSandboxSessionState",
+]
+
+_STAGE = ".kernelexec-transfer"
+"""Start of the name of a staged archive in the working directory (removed once unpacked)."""
+
+
+class KernelSandboxClientOptions(BaseSandboxClientOptions):
+    """Options of :meth:`KernelSandboxClient.create`.
+
+    Attributes:
+        agent_id: The kernelexec agent id of the session (default: a fresh
+            ``openai-agents-<hex>``). Giving an open session's id shares its kernel.
+    """
+
+    type: Literal["kernelexec"] = "kernelexec"
+    agent_id: str | None = None
+
+
+class KernelSandboxSessionState(SandboxSessionState):
+    """A kernelexec sandbox session's state: the SDK's, plus the session's agent id."""
+
+    type: Literal["kernelexec"] = "kernelexec"
+    agent_id: str
+
+
+class KernelSandboxSession(BaseSandboxSession):
+    """One sandbox session on one kernelexec session (made by :class:`KernelSandboxClient`)."""
+
+    state: KernelSandboxSessionState
+
+    def __init__(self, *, state: KernelSandboxSessionState, kernel: AgentKernel) -> None:
+        self.state = state
+        self.kernel = kernel
+
+    @property
+    def agent_id(self) -> str:
+        """The kernelexec session's agent id."""
+        return self.kernel.agent_id
+
+    def _relative(self, path: Path | str, *, for_write: bool = False) -> str:
+        absolute = PurePosixPath(self.normalize_path(path, for_write=for_write))
+        root = PurePosixPath(self.state.manifest.root)
+        try:
+            rel = absolute.relative_to(root)
+        except ValueError:
+            raise WorkspaceArchiveReadError(
+                path=Path(str(path)), context={"reason": "outside_session_directory"}
+            ) from None
+        return str(rel) if str(rel) != "." else "."
+
+    async def _exec_internal(
+        self, *command: str | Path, timeout: float | None = None
+    ) -> ExecResult:
+        argv = [str(part) for part in command]
+        try:
+            out, err, code, timed_out = await self.kernel.acall(
+                lambda s: _run_bytes(s, argv, timeout)
+            )
+        except KernelExecError as exc:
+            raise ExecTransportError(command=command, cause=exc) from exc
+        if timed_out:
+            raise ExecTimeoutError(command=command, timeout_s=timeout)
+        return ExecResult(stdout=out, stderr=err, exit_code=code)
+
+    async def read(self, path: Path, *, user: str | User | None = None) -> io.IOBase:
+        """A file's content (the kernel has one user: ``user`` is not switched to)."""
+        rel = self._relative(path)
+        try:
+            data = await self.kernel.acall(lambda s: s.files.read(rel))
+        except FileNotFoundError as exc:
+            raise WorkspaceReadNotFoundError(path=path, cause=exc) from exc
+        except (SessionFileError, KernelExecError, ValueError) as exc:
+            raise WorkspaceArchiveReadError(path=path, cause=exc) from exc
+        return io.BytesIO(data)
+
+    async def write(self, path: Path, data: io.IOBase, *, user: str | User | None = None) -> None:
+        """Create or replace a file, its parent folders made."""
+        payload = coerce_write_payload(path=path, data=data)
+        content = payload.stream.read()
+        rel = self._relative(path, for_write=True)
+        try:
+            await self.kernel.acall(lambda s: s.files.write(rel, content))
+        except (SessionFileError, KernelExecError, ValueError) as exc:
+            raise WorkspaceArchiveWriteError(path=path, cause=exc) from exc
+
+    async def running(self) -> bool:
+        """Whether the kernelexec session is open."""
+        try:
+            return self.kernel.session_exists()
+        except KernelExecError:
+            return False
+
+    async def persist_workspace(self) -> io.IOBase:
+        """The working directory as a tar archive with relative members (made in the kernel)."""
+        argv = ["tar", "-C", self.state.manifest.root, f"--exclude=./{_STAGE}-*", "-cf", "-", "."]
+        try:
+            out, err, code, _ = await self.kernel.acall(lambda s: _run_bytes(s, argv, None))
+        except KernelExecError as exc:
+            raise WorkspaceArchiveReadError(path=Path(self.state.manifest.root), cause=exc) from exc
+        if code != 0:
+            raise WorkspaceArchiveReadError(
+                path=Path(self.state.manifest.root),
+                context={"reason": "tar_failed", "stderr": err.decode("utf-8", "replace")[-500:]},
+            )
+        return io.BytesIO(out)
+
+    async def hydrate_workspace(self, data: io.IOBase) -> None:
+        """Unpack a tar archive (from :meth:`persist_workspace`) into the working directory."""
+        content = data.read()
+        blob = content.encode() if isinstance(content, str) else bytes(content)
+        stage = f"{_STAGE}-{uuid.uuid4().hex}.tar"
+        root = self.state.manifest.root
+        argv = ["sh", "-c", 'tar -C "$1" -xf "$2"; s=$?; rm -f "$2"; exit $s', "sh", root, stage]
+        try:
+            await self.kernel.acall(lambda s: s.files.write(stage, blob))
+            _, err, code, _ = await self.kernel.acall(lambda s: _run_bytes(s, argv, None))
+        except (SessionFileError, KernelExecError) as exc:
+            raise WorkspaceArchiveWriteError(path=Path(root), cause=exc) from exc
+        if code != 0:
+            raise WorkspaceArchiveWriteError(
+                path=Path(root),
+                context={"reason": "tar_failed", "stderr": err.decode("utf-8", "replace")[-500:]},
+            )
+
+
+class KernelSandboxClient(BaseSandboxClient[KernelSandboxClientOptions | None]):
+    """A Sandbox Agents client whose sessions are kernelexec sessions.
+
+    Args:
+        executor: A :class:`~kernelexec.KernelExecutor` or
+            :class:`~kernelexec.AsyncKernelExecutor` to share; it stays open after
+            :meth:`aclose`.
+        **executor_config: :class:`~kernelexec.ExecutorConfig` fields for an executor the
+            client makes itself (on first use) for all its sessions and closes in
+            :meth:`aclose`.
+    """
+
+    backend_id = "kernelexec"
+    supports_default_options = True
+
+    def __init__(
+        self,
+        *,
+        executor: KernelExecutor | AsyncKernelExecutor | None = None,
+        **executor_config: Any,
+    ) -> None:
+        if executor is not None and executor_config:
+            names = ", ".join(sorted(executor_config))
+            raise TypeError(f"pass either executor= or executor settings ({names}), not both")
+        if executor is None:
+            facade = {"backend", "backend_options", "on_progress"}
+            make_config(**{k: v for k, v in executor_config.items() if k not in facade})
+        self._executor = executor
+        self._config = dict(executor_config)
+        self._owned = executor is None
+        self._made = threading.Lock()
+        self._kernels: dict[str, AgentKernel] = {}
+
+    @property
+    def executor(self) -> KernelExecutor | AsyncKernelExecutor:
+        """The executor the sessions run on (an owned one is made on first use)."""
+        if self._executor is None:
+            with self._made:
+                if self._executor is None:
+                    self._executor = KernelExecutor(**self._config)
+        return self._executor
+
+    async def _open(self, agent_id: str, manifest: Manifest) -> tuple[AgentKernel, Manifest]:
+        kernel = AgentKernel("openai-agents", agent_id, self.executor, {})
+        result = await kernel.acall(lambda s: s.commands.run(["pwd", "-P"], timeout=60))
+        if result.exit_code != 0:
+            await kernel.aclose()
+            raise ExecTransportError(command=("pwd", "-P"), context={"stderr": result.stderr})
+        root = result.stdout.rstrip("\n")
+        self._kernels[agent_id] = kernel
+        return kernel, manifest.model_copy(update={"root": root}, deep=True)
+
+    async def create(
+        self,
+        *,
+        snapshot: SnapshotSpec | SnapshotBase | None = None,
+        manifest: Manifest | None = None,
+        options: KernelSandboxClientOptions | None = None,
+    ) -> SandboxSession:
+        """Open a kernelexec session; the manifest's root becomes its working directory."""
+        manifest = self._validate_manifest_for_create(manifest or Manifest())
+        agent_id = (
+            options.agent_id if options else None
+        ) or f"openai-agents-{uuid.uuid4().hex[:12]}"
+        kernel, manifest = await self._open(agent_id, manifest)
+        session_id = uuid.uuid4()
+        state = KernelSandboxSessionState(
+            session_id=session_id,
+            manifest=manifest,
+            # one snapshot per session: a shared id would make runs restore each other's files
+            snapshot=resolve_snapshot(snapshot, str(session_id)),
+            agent_id=agent_id,
+        )
+        return self._wrap_session(KernelSandboxSession(state=state, kernel=kernel))
+
+    async def delete(self, session: SandboxSession) -> SandboxSession:
+        """Close the session's kernelexec session (its kernel, commands and files go)."""
+        inner = session._inner
+        if not isinstance(inner, KernelSandboxSession):
+            raise TypeError("KernelSandboxClient.delete expects a kernelexec sandbox session")
+        self._kernels.pop(inner.agent_id, None)
+        await inner.kernel.aclose()
+        return session
+
+    async def resume(self, state: SandboxSessionState) -> SandboxSession:
+        """Reattach to the agent's session while it is open; else open a fresh one (the SDK
+        then restores the workspace from the state's snapshot)."""
+        if not isinstance(state, KernelSandboxSessionState):
+            raise TypeError("KernelSandboxClient.resume expects a KernelSandboxSessionState")
+        kernel, manifest = await self._open(state.agent_id, state.manifest)
+        if manifest.root != state.manifest.root:
+            state = state.model_copy(update={"manifest": manifest, "workspace_root_ready": False})
+        return self._wrap_session(KernelSandboxSession(state=state, kernel=kernel))
+
+    def deserialize_session_state(self, payload: dict[str, object]) -> SandboxSessionState:
+        return self._deserialize_session_state_payload(payload, KernelSandboxSessionState)
+
+    async def aclose(self) -> None:
+        """Close every session this client opened, and the executor when it made it."""
+        kernels, self._kernels = list(self._kernels.values()), {}
+        for kernel in kernels:
+            await kernel.aclose()
+        if self._owned and self._executor is not None:
+            ex, self._executor = self._executor, None
+            assert isinstance(ex, KernelExecutor)
+            await asyncio.to_thread(ex.close)
+
+    def close(self) -> None:
+        """:meth:`aclose` from synchronous code."""
+        kernels, self._kernels = list(self._kernels.values()), {}
+        for kernel in kernels:
+            kernel.close()
+        if self._owned and self._executor is not None:
+            ex, self._executor = self._executor, None
+            assert isinstance(ex, KernelExecutor)
+            ex.close()
+
+
+class KernelPython(Capability):
+    """A ``python`` tool on the sandbox session's kernel (variables persist between calls).
+
+    Use it with :class:`KernelSandboxClient`:
+    ``SandboxAgent(..., capabilities=[*Capabilities.default(), KernelPython()])``.
+    """
+
+    type: Literal["kernelexec_python"] = "kernelexec_python"
+    timeout: float | None = None
+
+    def tools(self) -> list[Tool]:
+        capability = self
+
+        @function_tool(name_override="python")
+        async def python(code: str) -> str:
+            """Run Python code in a persistent interpreter (variables, imports and files stay
+            from one call to the next; the working directory is the sandbox's). Returns what it
+            printed and the value of its last expression, or its error."""
+            session = capability.session
+            inner = getattr(session, "_inner", session)
+            if not isinstance(inner, KernelSandboxSession):
+                return "error: the python tool needs a kernelexec sandbox session"
+            result = await inner.kernel.acall(
+                lambda s: s.run_code(code, timeout=capability.timeout)
+            )
+            return describe_execution(result)
+
+        return [python]
+
+
+async def _run_bytes(
+    session: AsyncSession, argv: list[str], timeout: float | None
+) -> tuple[bytes, bytes, int, bool]:
+    """Run a command in the kernel: its stdout and stderr as bytes, exit code, timed out."""
+    proc: BackgroundCommand = await session.commands.start(argv)
+    try:
+        code = await proc.wait(timeout)
+    except asyncio.CancelledError:
+        await asyncio.shield(proc.kill())
+        raise
+    if code is None and proc.running:
+        await proc.kill(signal.SIGKILL)
+        await proc.wait()
+        return proc.stdout, proc.stderr, -signal.SIGKILL, True
+    return proc.stdout, proc.stderr, proc.exit_code if proc.exit_code is not None else -1, False

@@ -1,0 +1,151 @@
+"""smolagents on kernelexec: ``CodeAgent(executor=KernelPythonExecutor(...))``.
+
+smolagents' remote executors run the model's code in a Jupyter kernel elsewhere (E2B, Docker,
+Modal); :class:`KernelPythonExecutor` runs it in a persistent kernelexec session on this machine
+(or a gateway), with its isolation level, limits and interrupting timeouts. Variables, imports
+and the tools smolagents sends persist from step to step, and come back after the kernel is
+replaced (a death, a stuck run, a memory limit): the adapter sends them again.
+
+Needs the ``smolagents`` extra: ``pip install 'kernelexec[smolagents]'``.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+from typing import Any
+
+try:
+    from smolagents.local_python_executor import CodeOutput
+    from smolagents.remote_executors import RemotePythonExecutor
+    from smolagents.utils import AgentError
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError(
+        f"kernelexec.compat.smolagents needs smolagents ({exc.name} is missing): "
+        "pip install 'kernelexec[smolagents]'"
+    ) from exc
+
+from kernelexec._core._executor import AsyncKernelExecutor
+from kernelexec._models import Execution
+from kernelexec._sync import KernelExecutor
+from kernelexec.compat._bridge import AgentKernel
+
+__all__ = ["KernelPythonExecutor"]
+
+_IMAGE_TYPES = ("image/png", "image/jpeg")
+
+
+class KernelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
+    """A smolagents executor whose Python state lives in a kernelexec session.
+
+    Args:
+        additional_imports: Packages the agent's code may import. They must be importable in
+            the session's environment; to have them installed, give a venv
+            (``env=kx.VenvEnv(requirements=[...])``) rather than smolagents' ``!pip install``.
+        logger: smolagents' ``AgentLogger``.
+        agent_id: The session's agent id (default: a fresh ``smolagents-<hex>``).
+        executor: A :class:`~kernelexec.KernelExecutor` (or an
+            :class:`~kernelexec.AsyncKernelExecutor` running on another thread) to share; it
+            stays open after :meth:`cleanup`.
+        timeout: Seconds before a step's code is interrupted (default: the executor's).
+        **executor_config: :class:`~kernelexec.ExecutorConfig` fields for an executor the
+            adapter makes itself and closes in :meth:`cleanup`.
+    """
+
+    def __init__(
+        self,
+        additional_imports: list[str],
+        logger: Any,
+        *,
+        agent_id: str | None = None,
+        executor: KernelExecutor | AsyncKernelExecutor | None = None,
+        timeout: float | None = None,
+        **executor_config: Any,
+    ) -> None:
+        super().__init__(additional_imports, logger)
+        self._kernel = AgentKernel("smolagents", agent_id, executor, executor_config)
+        self._timeout = timeout
+        self._setup: list[str] = []  # code that defined the tools and variables, in order
+        self._recording = False  # inside send_tools / send_variables
+        self.installed_packages = self.install_packages(additional_imports)
+
+    @property
+    def agent_id(self) -> str:
+        """The kernelexec session's agent id."""
+        return self._kernel.agent_id
+
+    def install_packages(self, additional_imports: list[str]) -> list[str]:
+        """Nothing is installed into a running kernel (smolagents would run ``!pip install``
+        there); the packages are expected in the session's environment."""
+        return list(additional_imports)
+
+    def send_tools(self, tools: dict[str, Any]) -> None:
+        """Define the tools in the kernel (again after every kernel replacement)."""
+        self._recording = True
+        try:
+            super().send_tools(tools)
+        finally:
+            self._recording = False
+
+    def send_variables(self, variables: dict[str, Any]) -> None:
+        """Set variables in the kernel (again after every kernel replacement)."""
+        self._recording = True
+        try:
+            super().send_variables(variables)
+        finally:
+            self._recording = False
+
+    def run_code_raise_errors(self, code: str) -> CodeOutput:
+        """Run one step's code: its stdout as ``logs``, its value or final answer as ``output``.
+
+        Raises:
+            AgentError: the code raised (the traceback is the message) or could not run.
+        """
+        result = self._kernel.run_code(code, timeout=self._timeout)
+        if result.kernel_restarted and self._setup and not self._recording:
+            # The kernel was replaced (a death, a stuck run, a limit, an eviction): the tools
+            # and variables smolagents sent are gone. Send them again for the next steps; this
+            # step's result (its error, with what was lost) goes to the model as it is.
+            for setup in self._setup:
+                self._check(self._kernel.run_code(setup, timeout=self._timeout))
+        if self._recording:
+            self._setup.append(code)
+        return self._check(result)
+
+    def _check(self, result: Execution) -> CodeOutput:
+        error = result.error
+        if error is not None and error.ename == self.FINAL_ANSWER_EXCEPTION:
+            answer = self._deserialize_final_answer(error.evalue, self.allow_pickle)
+            return CodeOutput(output=answer, logs=result.stdout, is_final_answer=True)
+        if error is not None:
+            detail = "\n".join(error.traceback) or f"{error.ename}: {error.evalue}"
+            if error.kind != "exception":
+                detail = f"{detail}\n({error.kind}: {error.evalue})"
+            raise AgentError(f"{result.stdout}{detail}", self.logger)
+        return CodeOutput(output=_output(result), logs=result.stdout, is_final_answer=False)
+
+    def cleanup(self) -> None:
+        """Close the session, and the executor when the adapter made it."""
+        self._kernel.close()
+
+    def delete(self) -> None:
+        """smolagents' name for :meth:`cleanup`."""
+        self.cleanup()
+
+
+def _output(result: Execution) -> Any:
+    """The step's value: an image as a ``PIL.Image`` (as smolagents' E2B executor gives),
+    else its ``text/plain``."""
+    for output in result.outputs:
+        if output.get("output_type") != "execute_result":
+            continue
+        data = output.get("data") or {}
+        for mime in _IMAGE_TYPES:
+            if mime in data:
+                from PIL import Image
+
+                return Image.open(io.BytesIO(base64.b64decode(data[mime])))
+        if "application/json" in data:
+            return json.loads(json.dumps(data["application/json"]))
+    return result.result
