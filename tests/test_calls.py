@@ -419,9 +419,9 @@ def test_every_kind_of_output_arrives_before_the_result(executor: kx.KernelExecu
         "    sys.stderr.write('err-partial')\n"
         "    os.write(1, b'fd-level\\n')\n"
         "    subprocess.run(['echo', 'from-child'], check=True)\n"
-        # Last, a tail the capture thread cannot forward yet: it holds ipykernel's buffer lock
-        # until the function returns, so the tail is still in the pipe when the run ends,
-        # every time, and arrives only if the run waits for it.
+        # Last, a tail the capture thread cannot forward yet: the code holds ipykernel's buffer
+        # lock, so the thread reads the tail and holds it, often past the function's return,
+        # and it arrives only if the run waits for the thread.
         "    with sys.stdout._buffer_lock:\n"
         "        os.write(1, b'z' * 60_000 + b'|end\\n')\n"
         "    return 7\n"

@@ -19,15 +19,30 @@ channel) never wait here: an interrupt always gets through.
 pipe and decodes each read on its own, so a multi-byte character split across two writes
 arrived as two U+FFFD. :func:`decode_whole_characters` replaces its reader with one that keeps
 an incomplete character for the next read.
+
+**Caught up at the end of a run.** The reader may hold a chunk it has read but not yet handed
+to the stream (it waits for the stream's buffer lock, or for the gate), with the pipe already
+empty; a run that ended then counted and flushed its output without that chunk, which followed
+after the reply and was lost to the caller (under load, every few runs). :meth:`PipeReader.catch_up`
+waits, without a clock, until every byte that was in the pipe or in the reader's hands has been
+handed to the stream.
 """
 
 from __future__ import annotations
 
 import codecs
 import os
+import select
+import struct
 import sys
 import threading
 from typing import Any
+
+try:
+    import fcntl
+    import termios
+except ImportError:  # not POSIX: the bytes still in the pipe are not known (not waited for)
+    fcntl = termios = None  # type: ignore[assignment]
 
 WINDOW = 1_000
 """Messages that may wait in ipykernel's own send queue before code that outputs waits."""
@@ -180,48 +195,93 @@ def _hold_writes(stream: Any, gate: Gate) -> None:
     stream.write = write
 
 
-def decode_whole_characters(stream: Any) -> bool:
-    """Replace ipykernel's reader of a captured fd with one that keeps an incomplete UTF-8
-    character for the next read; False when the stream is not read that way (nothing done).
+def decode_whole_characters(stream: Any) -> PipeReader | None:
+    """Replace ipykernel's reader of a captured fd with a :class:`PipeReader`; None when the
+    stream is not read that way (nothing done).
 
     Called once at install, when nothing else writes to the fd: the old reader is woken by one
-    NUL byte (as ipykernel's own ``close`` does) and stops without forwarding it.
+    NUL byte (as ipykernel's own ``close`` does) and stops without forwarding it. It is waited
+    for without a limit, as ``close`` does: given up on (it had 2 s, not always enough on a
+    loaded machine), it went on reading, forwarded the NUL and left no reader to catch up with.
     """
     old = getattr(stream, "watch_fd_thread", None)
     fid = getattr(stream, "_fid", None)
     names = ("_should_watch", "_original_stdstream_fd", "_original_stdstream_copy")
     if old is None or not isinstance(fid, int) or not all(hasattr(stream, n) for n in names):
-        return False
-    if not old.is_alive() or not stream._should_watch:
-        return False
+        return None
+    if not old.is_alive() or not stream._should_watch or not hasattr(select, "poll"):
+        return None
     stream._should_watch = False
     os.write(stream._original_stdstream_fd, b"\0")
-    old.join(2.0)
+    old.join()
     stream._should_watch = True
-    if old.is_alive():
-        return False  # it did not stop: keep it (it reads the pipe; a second reader must not)
-    reader = threading.Thread(
-        target=_read_pipe, args=(stream, fid), name="kernelexec fd reader", daemon=True
-    )
-    stream.watch_fd_thread = reader
-    reader.start()
-    return True
+    reader = PipeReader(stream, fid)
+    stream.watch_fd_thread = reader.thread
+    reader.thread.start()
+    return reader
 
 
-def _read_pipe(stream: Any, fid: int) -> None:
-    """ipykernel's ``_watch_pipe_fd`` with an incremental decoder."""
-    decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+class PipeReader:
+    """Reads a captured fd's pipe into its stream, whole characters only, and says how far.
+
+    It reads only while holding ``cond``, after ``poll`` said there is data, so under ``cond``
+    the bytes it has taken plus those left in the pipe are all that was written to the fd so
+    far; ``forwarded`` counts the bytes whose text the stream has (an incomplete character
+    at the end of a read is kept for the next, and counted).
+    """
+
+    def __init__(self, stream: Any, fid: int) -> None:
+        self.stream = stream
+        self.fid = fid
+        self.cond = threading.Condition()
+        self.taken = 0  # bytes read from the pipe
+        self.forwarded = 0  # bytes handed to the stream
+        self.thread = threading.Thread(target=self._run, name="kernelexec fd reader", daemon=True)
+
+    def catch_up(self) -> None:
+        """Return once everything written to the fd before this call has reached the stream
+        (at once when the pipe is empty and the reader holds nothing), or the reader stopped.
+
+        Output written meanwhile (a subprocess still running) is not waited for.
+        """
+        with self.cond:
+            target = self.taken + _unread(self.fid)
+            while self.forwarded < target and self.thread.is_alive():
+                self.cond.wait(0.5)  # SIGINT lands here as KeyboardInterrupt
+
+    def _run(self) -> None:
+        """ipykernel's ``_watch_pipe_fd`` with an incremental decoder and the counts."""
+        stream = self.stream
+        decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        poller = select.poll()
+        poller.register(self.fid, select.POLLIN)
+        try:
+            while True:
+                poller.poll()  # without the lock: a catch-up counts what waits in the pipe
+                with self.cond:
+                    data = os.read(self.fid, 1 << 16)  # returns at once: the pipe has data
+                    self.taken += len(data)
+                if not data or not stream._should_watch:
+                    return
+                text = decoder.decode(data)
+                if text:
+                    stream.write(text)
+                with self.cond:
+                    self.forwarded += len(data)
+                    self.cond.notify_all()
+                os.write(stream._original_stdstream_copy, data)
+        except Exception:
+            stream._exc = sys.exc_info()
+        finally:
+            with self.cond:
+                self.cond.notify_all()  # a catch-up stops waiting for a reader that stopped
+
+
+def _unread(fid: int) -> int:
+    """Bytes waiting in the pipe ``fid``; 0 where that cannot be asked."""
+    if fcntl is None:
+        return 0
     try:
-        data = os.read(fid, 1 << 16)
-        while data and stream._should_watch:
-            # Read but not yet written to the stream (the write may wait for the stream's
-            # lock): the end of a run waits for it (``_wait_for_fd_output``).
-            stream._kx_unsent = True
-            text = decoder.decode(data)
-            if text:
-                stream.write(text)
-            stream._kx_unsent = False
-            os.write(stream._original_stdstream_copy, data)
-            data = os.read(fid, 1 << 16)
-    except Exception:
-        stream._exc = sys.exc_info()
+        return int(struct.unpack("i", fcntl.ioctl(fid, termios.FIONREAD, b"\0" * 4))[0])
+    except OSError:
+        return 0

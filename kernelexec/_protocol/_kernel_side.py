@@ -352,14 +352,18 @@ def _skip_empty_flush(stream: Any) -> None:
     stream.flush = flush
 
 
-def _wait_for_fd_output(streams: list[Any]) -> None:
-    """Let ipykernel's fd-capture threads pick up output still in their pipes.
+def _wait_for_fd_output(readers: list[Any], streams: list[Any]) -> None:
+    """Let the fd-capture threads hand over output written before the run ended.
 
     C-level and subprocess output reaches the kernel through a pipe that a thread reads; at the
-    end of a run some of it may not have been read yet, and it would then be sent after the
-    run is over (and lost to the caller). Waits while a pipe has data, at most 50 ms; costs one
-    ``poll`` when the pipes are empty.
+    end of a run some of it may be in the pipe still, or read but not yet written to the stream,
+    and it would then be sent after the run is over (and lost to the caller). kernelexec's own
+    readers (``_kernel_output.PipeReader``) say exactly when they have caught up. For a stream
+    still read by ipykernel's thread (an ipykernel the reader does not fit) this can only wait
+    while its pipe has data, at most 50 ms, and a moment for the chunk in the thread's hands.
     """
+    for reader in readers:
+        reader.catch_up()
     fds = [s._fid for s in streams if isinstance(getattr(s, "_fid", None), int)]
     if not fds:
         return
@@ -374,11 +378,7 @@ def _wait_for_fd_output(streams: list[Any]) -> None:
         except (OSError, ValueError):
             return
         if not readable:
-            # An empty pipe may mean the reader has just taken the last chunk: let it run
-            # (its write may have waited for the stream's lock) and mark it, then ask.
-            time.sleep(0)
-            if not any(getattr(s, "_kx_unsent", False) for s in streams):
-                break
+            break
         waited = True
         time.sleep(0.0005)
     if waited:
@@ -476,9 +476,12 @@ def install() -> None:
     streams = [s for s in (sys.stdout, sys.stderr) if hasattr(s, "session")]
     output = _load_module(OUTPUT_MODULE_NAME, cfg.get("output_source"))
     gate = None
+    readers: list[Any] = []  # kernelexec's readers of the captured fds (see _wait_for_fd_output)
     if output is not None:
         for stream in streams:
-            output.decode_whole_characters(stream)
+            reader = output.decode_whole_characters(stream)
+            if reader is not None:
+                readers.append(reader)
         if cfg.get("flow_control", True):
             gate = output.install_flow_control(kernel, streams)
     _state["gate"] = gate
@@ -496,7 +499,8 @@ def install() -> None:
         _fast_dates()
     if cfg.get("fast_paths", True) and cfg.get("report_expression"):
         _fast_report(cfg["report_expression"])
-    shell.events.register("post_execute", lambda: _wait_for_fd_output(streams))
+    polled = [s for s in streams if all(r.stream is not s for r in readers)]
+    shell.events.register("post_execute", lambda: _wait_for_fd_output(readers, polled))
     shell.events.register("pre_execute", lambda: budget.reset(_run_id()))
     shell.events.register("pre_execute", lambda: _state.pop("verdict", None))
     shell.events.register("pre_execute", configure)

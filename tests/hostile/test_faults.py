@@ -112,11 +112,10 @@ def test_threads_that_keep_printing_after_the_call(executor: kx.KernelExecutor) 
 
 def test_non_utf8_bytes_on_fd_1(executor: kx.KernelExecutor) -> None:
     s = executor.session("bytes")
-    # Written while ipykernel's capture thread cannot forward it (it holds the buffer lock),
-    # with a 60 kB tail, so the bytes are still in the pipe when the code ends and must be
-    # waited for. (A few bytes alone at the very end of a run are sometimes not waited for:
-    # measured 9-17 of 30 at every level, before and after this branch; left to the output
-    # work.)
+    # Written while ipykernel's capture thread cannot forward it (the code holds the buffer
+    # lock): the thread reads the bytes and holds them, often until after the code has ended,
+    # and the run must wait for it (test_output_held_by_the_capture_thread_comes_with_the_run
+    # holds them until the run waits, every time).
     result = s.run_code(
         "import os, sys\nwith sys.stdout._buffer_lock:\n"
         "    os.write(1, b'\\xff\\xfe ok\\n' + b'z' * 60_000 + b'|end\\n')"
@@ -124,6 +123,63 @@ def test_non_utf8_bytes_on_fd_1(executor: kx.KernelExecutor) -> None:
     assert result.ok, result.error
     assert result.stdout == "\ufffd\ufffd ok\n" + "z" * 60_000 + "|end\n"
     assert s.run_code("'after'").result == "'after'"
+
+
+HOLD_THE_CAPTURE_THREAD = """
+import os, sys, threading, time
+
+def _hold_capture_thread() -> None:
+    # Holds ipykernel's stdout buffer lock from another thread, so that the thread that reads
+    # the captured fd 1 reads what is written and cannot hand it over, until the end of the run
+    # waits for it (the main thread is in kernelexec's catch_up) or the kernel has moved on to
+    # the next request (the streams' parent changed): without the wait the run ended first.
+    run = sys.stdout.parent_header.get("msg_id")
+    main = threading.main_thread().ident
+    held = threading.Event()
+
+    def waited_for() -> bool:
+        frame = sys._current_frames().get(main)
+        while frame is not None:
+            if frame.f_code.co_name == "catch_up":
+                return True
+            frame = frame.f_back
+        return sys.stdout.parent_header.get("msg_id") != run
+
+    def hold() -> None:
+        with sys.stdout._buffer_lock:
+            held.set()
+            while not waited_for():
+                time.sleep(0.001)
+
+    threading.Thread(target=hold, daemon=True).start()
+    held.wait()
+"""
+
+
+def test_output_held_by_the_capture_thread_comes_with_the_run(executor: kx.KernelExecutor) -> None:
+    """fd-level output that the capture thread has read but not yet handed to the stream when
+    the code ends is still the run's: it came after the reply (and was lost) before the run's
+    end waited for the thread itself rather than for an empty pipe."""
+    s = executor.session("held-fd")
+    tail = "\ufffd\ufffd ok\n" + "z" * 60_000 + "|end\n"
+    result = s.run_code(
+        HOLD_THE_CAPTURE_THREAD
+        + "_hold_capture_thread()\n"
+        + "os.write(1, b'\\xff\\xfe ok\\n' + b'z' * 60_000 + b'|end\\n')\n"
+    )
+    assert result.ok, result.error
+    assert result.stdout == tail
+    tool = kx.Tool.from_source(
+        HOLD_THE_CAPTURE_THREAD + "\n\ndef held() -> int:\n"
+        '    """Writes to fd 1 while the capture thread cannot forward it."""\n'
+        "    _hold_capture_thread()\n"
+        "    os.write(1, b'from a tool\\n')\n"
+        "    return 7\n"
+    )
+    called = s.call_tool(tool)
+    assert called.func_return == 7, called.error
+    assert called.stdout == "from a tool\n"
+    assert s.run_code("print('after')").stdout == "after\n"
 
 
 def recursive() -> Any:
