@@ -18,7 +18,7 @@ from pydantic import (
 
 from kernelexec._envs._envs import Env, LocalEnv
 from kernelexec._exceptions import ConfigError, describe_problems
-from kernelexec._models import DEFAULT_ENV_ALLOWLIST, Limits
+from kernelexec._models import DEFAULT_ENV_ALLOWLIST, IsolationLevel, Limits, check_isolation
 
 
 def valid_timeout(value: Any, what: str = "timeout", *, zero: bool = False) -> float:
@@ -125,7 +125,7 @@ class ExecutorConfig(BaseModel):
     cache_dir: Path | None = None
     installer: Literal["auto", "uv", "pip"] = "auto"
     record_dir: Path | None = None
-    isolation: Literal["none", "process", "bwrap"] | None = None
+    isolation: IsolationLevel | None = None
     limits: Limits | None = None
     memory_budget_mb: int | None = Field(None, ge=128)
     network: bool | None = None
@@ -166,15 +166,12 @@ class ExecutorConfig(BaseModel):
             raise ValueError(f"prewarm ({self.prewarm}) exceeds max_kernels ({self.max_kernels})")
         if self.record_dir is not None:
             object.__setattr__(self, "record", True)
-        if self.isolation == "none" and self.limits is not None and self.limits.given():
-            raise ValueError("limits need isolation 'process' or 'bwrap', not 'none'")
-        if self.isolation == "none" and self.memory_budget_mb is not None:
-            raise ValueError("memory_budget_mb needs isolation 'process' or 'bwrap', not 'none'")
-        if self.network is False and self.isolation not in ("bwrap", None):
-            raise ValueError(
-                f"network=False needs isolation='bwrap' (a network namespace); "
-                f"isolation={self.isolation!r} cannot take the network away"
-            )
+        limits = self.limits.given() if self.limits is not None else {}
+        budget = ["memory_budget_mb"] if self.memory_budget_mb is not None else []
+        try:
+            check_isolation(self.isolation, [*limits, *budget], self.network)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
         return self
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from typing import Any, Literal
+from collections.abc import Iterable
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -32,6 +33,37 @@ ErrorKind = Literal[
     "limit_exceeded",
     "setup_failed",
 ]
+
+IsolationLevel = Literal["none", "process", "bwrap"]
+"""An isolation level: ``"none"`` (a plain process of the host user), ``"process"`` (limits, a
+scrubbed environment, every descendant reaped, its own user on a root host) or ``"bwrap"``
+(bubblewrap namespaces on top)."""
+
+ISOLATION_LEVELS: tuple[IsolationLevel, ...] = get_args(IsolationLevel)
+
+
+def check_isolation(
+    level: IsolationLevel | None, limits: Iterable[str], network: bool | None
+) -> None:
+    """Refuse what no host can give at ``level``: limits at ``"none"``, and taking the network
+    away anywhere but under ``"bwrap"``. The one check of these rules: the executor's
+    configuration (where ``level`` None is the backend's default, not known yet) and every
+    sandbox plan call it.
+
+    Raises:
+        ConfigError: naming the setting and the level it needs.
+    """
+    asked = sorted(limits)
+    if level == "none" and asked:
+        raise ConfigError(
+            f"limits need isolation 'process' or 'bwrap', not 'none' (asked: {', '.join(asked)})"
+        )
+    if network is False and level not in ("bwrap", None):
+        raise ConfigError(
+            f"network=False needs isolation='bwrap' (a network namespace); "
+            f"isolation={level!r} cannot take the network away"
+        )
+
 
 DEFAULT_ENV_ALLOWLIST: tuple[str, ...] = (
     "PATH",
@@ -109,7 +141,7 @@ class Isolation(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    level: Literal["none", "process", "bwrap"]
+    level: IsolationLevel
     limits: dict[str, str] = Field(default_factory=dict)
     boundaries: dict[str, str] = Field(default_factory=dict)
 

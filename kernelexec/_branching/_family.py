@@ -24,13 +24,14 @@ from kernelexec._branching import _process
 from kernelexec._branching._connection import BranchConnection
 from kernelexec._branching._process import Template
 from kernelexec._exceptions import BranchError, BranchingNotSupportedError, ExecutorClosedError
+from kernelexec._models import IsolationLevel
 from kernelexec._sandbox import _users
 from kernelexec.backends._base import KernelConnection
 from kernelexec.backends._local import LocalConnection
 
 log = logging.getLogger("kernelexec")
 
-BRANCHED_LEVELS = ("none", "process")
+BRANCHED_LEVELS: tuple[IsolationLevel, ...] = ("none", "process")
 """Isolation levels whose kernels can be forked."""
 
 
@@ -100,7 +101,7 @@ class Brancher:
 
     # -- what a session asks for ------------------------------------------------------------
 
-    def check(self, conn: KernelConnection | None, level: str, backend: str) -> None:
+    def check(self, conn: KernelConnection | None, level: IsolationLevel, backend: str) -> None:
         """Refuse, before anything is forked, a kernel this cannot fork.
 
         Raises:

@@ -184,7 +184,7 @@ class AsyncKernelExecutor:
         found = self._isolations.get(fingerprint)
         if found is None:
             launch = self._launch(env, interpreter=None)
-            found = Isolation(**self.backend.isolation(launch))
+            found = self.backend.isolation(launch)
             self._isolations[fingerprint] = found
         return found
 

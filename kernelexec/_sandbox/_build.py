@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kernelexec._exceptions import EnvSetupError
+from kernelexec._models import IsolationLevel
 from kernelexec._sandbox import _mounts, _seccomp, _users
 from kernelexec._sandbox._launcher import launcher_argv, launcher_config
 
@@ -39,7 +40,7 @@ class BuildConfinement:
         network: Whether those kernels get the network.
     """
 
-    level: str = "none"
+    level: IsolationLevel = "none"
     network: bool = True
 
     @property

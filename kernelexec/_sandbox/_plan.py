@@ -20,9 +20,8 @@ from typing import Any
 import psutil
 
 from kernelexec._exceptions import ConfigError, KernelStartError
+from kernelexec._models import IsolationLevel, check_isolation
 from kernelexec._sandbox import _bwrap, _cgroups, _mounts, _seccomp, _users
-
-LEVELS = ("none", "process", "bwrap")
 
 
 def default_limits() -> dict[str, float]:
@@ -68,7 +67,7 @@ below that start-up fails or the first allocation does)."""
 class SandboxPlan:
     """How kernels of one launch are confined (see the module docstring)."""
 
-    level: str
+    level: IsolationLevel
     network: bool
     cgroup_limits: dict[str, float] = field(default_factory=dict)
     rlimits: list[tuple[int, int]] = field(default_factory=list)
@@ -160,7 +159,7 @@ def interpreter_paths(python: str) -> tuple[str, ...]:
 
 
 def make_plan(
-    level: str,
+    level: IsolationLevel,
     given: dict[str, float],
     network: bool | None,
     python: str,
@@ -172,19 +171,9 @@ def make_plan(
         ConfigError: the level, a limit or the network setting cannot be enforced here (the
             message names it and what is missing).
     """
-    if level not in LEVELS:
-        raise ConfigError(f"isolation must be one of {', '.join(LEVELS)}; got {level!r}")
+    check_isolation(level, given, network)
     if level == "none":
-        if given:
-            raise ConfigError("limits need isolation 'process' or 'bwrap', not 'none'")
-        if network is False:
-            raise ConfigError("network=False needs isolation='bwrap' (a network namespace)")
         return SandboxPlan(level="none", network=True, boundaries=_none_boundaries())
-    if network is False and level != "bwrap":
-        raise ConfigError(
-            f"network=False needs isolation='bwrap' (a network namespace); "
-            f"isolation={level!r} cannot take the network away"
-        )
     if level == "bwrap" and _bwrap.bwrap_path() is None:
         raise ConfigError(
             f"isolation='bwrap' needs bubblewrap, which is not installed "
@@ -386,7 +375,7 @@ def _bridgeable(path: str) -> bool:
 
 
 def _user_plan(
-    level: str, root: bool, paths: tuple[str, ...], workdir: str | None
+    level: IsolationLevel, root: bool, paths: tuple[str, ...], workdir: str | None
 ) -> tuple[bool, str, Bridges]:
     """Whether kernels run as their own users, the text that says so, and the directories
     bridged for them (``"process"`` on a root host)."""

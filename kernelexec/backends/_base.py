@@ -39,6 +39,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from kernelexec._exceptions import ConfigError
+from kernelexec._models import Isolation, IsolationLevel
 
 Channel = Literal["shell", "control", "iopub", "stdin"]
 
@@ -66,7 +67,7 @@ class KernelLaunch(BaseModel):
     env: dict[str, str] = Field(default_factory=dict)
     interpreter: str | None = None
     kernel_name: str | None = None
-    isolation: str = "none"
+    isolation: IsolationLevel = "none"
     limits: dict[str, float] = Field(default_factory=dict)
     network: bool | None = None
     workdir: str | None = None
@@ -208,7 +209,7 @@ class KernelBackend(abc.ABC):
 
     name: ClassVar[str] = "custom"
     host_filesystem: ClassVar[bool] = False
-    default_isolation: ClassVar[str] = "none"
+    default_isolation: ClassVar[IsolationLevel] = "none"
     filters_env: ClassVar[bool] = False
 
     @abc.abstractmethod
@@ -293,10 +294,11 @@ class KernelBackend(abc.ABC):
         """A short text identifying where this backend runs kernels (for logs and fingerprints)."""
         return type(self).__name__
 
-    def isolation(self, launch: KernelLaunch) -> dict[str, Any]:
-        """What kernels started from ``launch`` get, as the fields of
-        :class:`kernelexec.Isolation` (``level``, ``limits``, ``boundaries``).
+    def isolation(self, launch: KernelLaunch) -> Isolation:
+        """What kernels started from ``launch`` get: the level, and the mechanism of each limit
+        and boundary (``Session.isolation``).
 
-        The default describes a backend that enforces nothing (:meth:`check` refuses the rest).
+        Called by the executor once per environment. The default describes a backend that
+        enforces nothing (:meth:`check` refuses the rest).
         """
-        return {"level": "none", "limits": {}, "boundaries": {}}
+        return Isolation(level="none")

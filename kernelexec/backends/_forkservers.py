@@ -18,6 +18,7 @@ import signal
 import subprocess
 from typing import Any
 
+from kernelexec._models import IsolationLevel
 from kernelexec.backends._forkserver import (
     ForkedProcess,
     ForkServer,
@@ -31,7 +32,7 @@ log = logging.getLogger("kernelexec")
 NO_FORK_SERVER_ENV = "KERNELEXEC_NO_FORK_SERVER"
 """Set to ``1`` to launch every kernel the plain way (as ``fork_server=False`` does)."""
 
-FORKED_LEVELS = ("none", "process")
+FORKED_LEVELS: tuple[IsolationLevel, ...] = ("none", "process")
 """Isolation levels whose kernels come from a fork server (``"bwrap"`` starts a new process in
 new namespaces, which a fork of the server cannot be)."""
 
@@ -70,7 +71,9 @@ class ForkServers:
         for server in servers:
             server.close()
 
-    def server_for(self, python: str, env: dict[str, str], level: str) -> ForkServer | None:
+    def server_for(
+        self, python: str, env: dict[str, str], level: IsolationLevel
+    ) -> ForkServer | None:
         """The running fork server for kernels of ``python`` with ``env`` at ``level``
         (started here, on the event loop's thread), or None to launch the plain way."""
         if level not in FORKED_LEVELS:

@@ -31,7 +31,7 @@ import tempfile
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import IO, Any, Literal
+from typing import IO, Any, ClassVar, Literal
 
 import psutil
 import zmq
@@ -41,6 +41,7 @@ from jupyter_client.manager import AsyncKernelManager
 
 from kernelexec import _proctitle
 from kernelexec._exceptions import ConfigError, KernelStartError
+from kernelexec._models import Isolation, IsolationLevel
 from kernelexec._sandbox import _cgroups, _uids, _users
 from kernelexec._sandbox._bwrap import bwrap_argv
 from kernelexec._sandbox._launcher import launcher_argv, launcher_config
@@ -183,7 +184,7 @@ class LocalBackend(KernelBackend):
 
     name = "local"
     host_filesystem = True
-    default_isolation = "process"
+    default_isolation: ClassVar[IsolationLevel] = "process"
 
     def __init__(
         self,
@@ -248,7 +249,7 @@ class LocalBackend(KernelBackend):
             raise ConfigError(f"the {self.name!r} backend does not support kernel_name")
         self.plan(launch)
 
-    def isolation(self, launch: KernelLaunch) -> dict[str, Any]:
+    def isolation(self, launch: KernelLaunch) -> Isolation:
         plan = self.plan(launch)
         launched = (
             "forked from a fork server of the interpreter (a plain launch when none can start)"
@@ -256,7 +257,7 @@ class LocalBackend(KernelBackend):
             else "a new interpreter per kernel (plain launch)"
         )
         bounds = {**plan.boundaries, "launch": launched}
-        return {"level": plan.level, "limits": plan.limits_text, "boundaries": bounds}
+        return Isolation(level=plan.level, limits=plan.limits_text, boundaries=bounds)
 
     def fingerprint(self, launch: KernelLaunch, base: str) -> str:
         # A local kernel at the default level is exactly its environment (whose fingerprint
