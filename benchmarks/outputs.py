@@ -62,11 +62,11 @@ BURST = textwrap.dedent(
     from pathlib import Path
     import zmq
     import kernelexec as kx
-    from kernelexec.backends import _local
+    from kernelexec.backends import _wire
 
     hwm = json.loads(sys.argv[1])
     if hwm is not None:
-        _local._context().setsockopt(zmq.RCVHWM, hwm)
+        _wire.context().setsockopt(zmq.RCVHWM, hwm)
     with kx.KernelExecutor(default_timeout=120) as ex:
         session = ex.session("burst")
         workdir = Path(str(session.workdir))

@@ -13,14 +13,15 @@ At ``"none"`` and ``"process"`` kernels are forked from a fork server (``_forkse
 interpreter when one can run, which saves the interpreter's start-up and imports; under
 ``"bwrap"`` (a new process in new namespaces) and whenever the server cannot start, the kernel is
 launched the plain way, a fresh interpreter per kernel.
+
+This module controls the process; its messages go through ``_wire`` (framing, signatures,
+the receive queue).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hmac
-import json
 import logging
 import os
 import shutil
@@ -28,14 +29,11 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
-from collections import deque
 from dataclasses import dataclass
 from typing import IO, Any, ClassVar, Literal
 
 import psutil
 import zmq
-import zmq.asyncio
 from jupyter_client.kernelspec import KernelSpec, KernelSpecManager
 from jupyter_client.manager import AsyncKernelManager
 
@@ -47,7 +45,7 @@ from kernelexec._sandbox._bwrap import bwrap_argv
 from kernelexec._sandbox._launcher import launcher_argv, launcher_config
 from kernelexec._sandbox._plan import SandboxPlan, make_plan
 from kernelexec._tempdirs import make_owned_dir
-from kernelexec.backends import _hostlimits
+from kernelexec.backends import _hostlimits, _wire
 from kernelexec.backends._base import (
     KernelBackend,
     KernelConnection,
@@ -63,6 +61,7 @@ from kernelexec.backends._forkservers import (
     stop_forked,
 )
 from kernelexec.backends._stderr import stderr_tail
+from kernelexec.backends._wire import KernelWire
 
 # Flags that trim start-up: no history database (nothing written under ~/.ipython), and the
 # 0.5 ms sleep ipykernel inserts before every reply turned off.
@@ -92,28 +91,8 @@ def lean_launcher(title: str) -> str:
     return f"{_proctitle.SOURCE}kx_set_title({title!r}, {comm!r})\n{_LEAN_LAUNCHER}"
 
 
-_CONTEXT: zmq.asyncio.Context | None = None
-_OLD_CONTEXTS: list[zmq.asyncio.Context] = []  # kept: their sockets may still be open
-_SOCKETS = _hostlimits.ZMQ_DEFAULT_SOCKETS
 log = logging.getLogger("kernelexec")
 _cgroups_swept = False
-
-
-def _context() -> zmq.asyncio.Context:
-    """kernelexec's zmq context: sockets retry a not-yet-bound kernel every 10 ms, not 100, and
-    it holds the sockets of every kernel reserved (zmq's default cap is 1,023 sockets).
-
-    The cap is fixed once the context has a socket: when more are reserved later, new
-    kernels get a new context with a higher cap (the old one stays for its sockets)."""
-    global _CONTEXT
-    if _CONTEXT is not None and _CONTEXT.get(zmq.MAX_SOCKETS) < _SOCKETS:
-        _OLD_CONTEXTS.append(_CONTEXT)
-        _CONTEXT = None
-    if _CONTEXT is None:
-        _CONTEXT = zmq.asyncio.Context()
-        _CONTEXT.set(zmq.MAX_SOCKETS, _SOCKETS)
-        _CONTEXT.setsockopt(zmq.RECONNECT_IVL, 10)
-    return _CONTEXT
 
 
 class _Manager(AsyncKernelManager):
@@ -136,23 +115,6 @@ class _FixedSpecs(KernelSpecManager):
 
     def get_kernel_spec(self, kernel_name: str) -> KernelSpec:
         return self._spec
-
-
-_POLL = 0.05
-"""Seconds of silence after which ``receive`` checks whether the kernel process still runs
-(a non-blocking ``waitpid``: no I/O)."""
-
-_RECEIVED = ("shell", "iopub", "control")
-_POLLIN = int(zmq.POLLIN)  # a plain int: combining zmq's enum flags costs a call each
-_PENDING_MAX = 1_000
-"""Messages taken off the sockets and not yet handed to ``receive``. Past this the sockets are
-left to fill: the kernel then waits for the host (its iopub socket never drops, see
-``_protocol/_kernel_output``), so a slow consumer holds at most this many here, plus ZMQ's
-receive queue of 1,000."""
-_SEND_TRIES = 200
-_SEND_RETRY = 0.005
-"""A request meets a full socket queue only when the kernel stopped reading: it is retried for
-a second (200 x 5 ms), then dropped; the run times out as it would on a hung kernel."""
 
 
 def describe_exit(code: int | None) -> str:
@@ -206,10 +168,9 @@ class LocalBackend(KernelBackend):
         self.forks.hold()
 
     def reserve(self, kernels: int) -> None:
-        global _SOCKETS
         total = _hostlimits.reserve(kernels)
         self._reserved.append(kernels)
-        _SOCKETS = max(_SOCKETS, _hostlimits.sockets_needed(total))
+        _wire.reserve_sockets(total)
 
     async def release(self) -> None:
         self.forks.release()
@@ -353,19 +314,15 @@ class LocalConnection(KernelConnection):
         self._uid: int | None = None
         self._entered: set[str] = set()  # working directories handed to the kernel's user
         self._cgroup: _cgroups.KernelCgroup | None = None
-        self.dropped = 0
-        """Messages dropped for a bad signature, a replay or garbage (since the start)."""
         self._km: AsyncKernelManager | None = None
-        self._kc: Any = None
-        self._pending: deque[KernelMessage] = deque()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._fds: list[int] = []  # the sockets' fds, watched by the event loop
-        self._waiter: asyncio.Future[None] | None = None  # the receive() waiting for messages
+        self._wire = KernelWire()
         self._stderr: IO[bytes] | None = None
         self._died: KernelDied | None = None
-        self._drain: list[tuple[str, zmq.Socket[bytes]]] = []
-        self._senders: dict[str, zmq.Socket[bytes]] = {}
-        self._seen: dict[bytes, None] = {}  # recent signatures: replayed messages are dropped
+
+    @property
+    def dropped(self) -> int:
+        """Messages dropped for a bad signature, a replay or garbage (since the start)."""
+        return self._wire.dropped
 
     async def launch(self) -> None:
         """Start the process in a fresh private directory and connect its channels."""
@@ -442,7 +399,7 @@ class LocalConnection(KernelConnection):
             connection_file=os.path.join(kdir, "kernel.json"),
             # Ours: by default each manager makes a zmq context of its own (two threads and
             # five descriptors per kernel in this process) for its one control socket.
-            context=_context(),
+            context=_wire.context(),
         )
         km.kernel_uid = self._uid
         return km
@@ -489,31 +446,7 @@ class LocalConnection(KernelConnection):
     async def _connect(self) -> None:
         km = self._km
         assert km is not None
-        kc = km.client(context=_context())
-        kc.start_channels(shell=True, iopub=True, stdin=False, hb=False, control=True)
-        self._kc = kc
-        receiving = {
-            "shell": kc.shell_channel.socket,
-            "iopub": kc.iopub_channel.socket,
-            "control": kc.control_channel.socket,
-        }
-        # Blocking twins of the sockets, read when the event loop sees their fds ready: one
-        # callback drains every ready message, no future or poller per message (the asyncio
-        # sockets themselves are never awaited, which would take their fds over). Requests
-        # go out through the same twins.
-        twins: dict[str, zmq.Socket[bytes]] = {
-            name: zmq.Socket.shadow(receiving[name].underlying) for name in _RECEIVED
-        }
-        self._drain = list(twins.items())
-        self._senders = {"shell": twins["shell"], "control": twins["control"]}
-        self._loop = asyncio.get_running_loop()
-        for _, sock in self._drain:
-            fd = sock.getsockopt(zmq.FD)
-            assert isinstance(fd, int)
-            self._loop.add_reader(fd, self._on_readable)
-            self._fds.append(fd)
-        self._seen.clear()
-        self._pending.clear()
+        self._wire.open(km)
         self._died = None
 
     def _title(self) -> str:
@@ -632,86 +565,10 @@ class LocalConnection(KernelConnection):
         metadata: dict[str, Any] | None = None,
         buffers: tuple[bytes, ...] = (),
     ) -> str:
-        kc = self._kc
-        if kc is None:
-            raise KernelStartError("the kernel is shut down")
-        msg = kc.session.msg(msg_type, content, metadata=metadata)
-        frames = kc.session.serialize(msg)
-        frames.extend(buffers)
-        sock = self._senders[channel]
-        # Straight into the socket's queue: the asyncio socket's send costs a future and a
-        # loop callback per message (a sixth of a warm call's host time).
-        for _ in range(_SEND_TRIES):
-            try:
-                sock.send_multipart(frames, zmq.NOBLOCK)
-                break
-            except zmq.Again:  # the queue is full: a kernel that stopped reading
-                await asyncio.sleep(_SEND_RETRY)
-        else:
-            log.warning("dropped a %s request: the kernel has not read its queue", msg_type)
-        self._loop_soon_drain()  # a send can swallow the socket's readiness edge
-        return str(msg["header"]["msg_id"])
+        return await self._wire.send(channel, msg_type, content, metadata=metadata, buffers=buffers)
 
     async def receive(self, timeout: float) -> KernelMessage | KernelDied | None:
-        if self._pending:
-            return self._pending.popleft()
-        if self._died is not None:
-            return self._died
-        self._drain_ready()
-        if self._pending:
-            return self._pending.popleft()
-        deadline = time.monotonic() + timeout
-        loop = asyncio.get_running_loop()
-        while True:
-            wait = max(0.0, min(deadline - time.monotonic(), _POLL))
-            waiter = self._waiter = loop.create_future()
-            timer = loop.call_later(wait, _wake, waiter)
-            try:
-                await waiter
-            finally:
-                timer.cancel()
-                self._waiter = None
-            if not self._pending:
-                self._drain_ready()  # the safety net under a readiness edge never seen
-            if self._pending:
-                return self._pending.popleft()
-            died = self._check_process()
-            if died is not None:
-                self._drain_ready()  # what it sent before dying comes first
-                return self._pending.popleft() if self._pending else died
-            if time.monotonic() >= deadline:
-                return None
-
-    def _on_readable(self) -> None:
-        """The event loop saw a socket's fd ready: take what arrived, wake ``receive``."""
-        self._drain_ready()
-        waiter = self._waiter
-        if self._pending and waiter is not None:
-            _wake(waiter)
-
-    def _loop_soon_drain(self) -> None:
-        if self._loop is not None and self._fds:
-            self._loop.call_soon(self._on_readable)
-
-    def _drain_ready(self) -> None:
-        # zmq's fd only signals changes (edge-triggered): read until the socket itself says
-        # nothing is left, or a message that came in meanwhile would wait for the next edge.
-        # Asked before each read rather than read until zmq.Again: an exception per empty
-        # socket was eight per call, a sixth of a call's host time (cProfile). Past
-        # _PENDING_MAX the rest waits in the socket; ``receive`` drains again once
-        # ``_pending`` is empty.
-        for channel, sock in self._drain:
-            while len(self._pending) < _PENDING_MAX:
-                events = sock.getsockopt(zmq.EVENTS)
-                if not (isinstance(events, int) and events & _POLLIN):
-                    break
-                try:
-                    frames = sock.recv_multipart(zmq.NOBLOCK)
-                except zmq.Again:
-                    continue
-                msg = self._decode(channel, frames)
-                if msg is not None:
-                    self._pending.append(msg)
+        return await self._wire.receive(timeout, self._died, self._check_process)
 
     def _check_process(self) -> KernelDied | None:
         proc = self._process()
@@ -731,41 +588,6 @@ class LocalConnection(KernelConnection):
                 limit = plan.limit_of("memory_mb")
         self._died = KernelDied(describe_exit(code), self.diagnostics(), limit)
         return self._died
-
-    def _decode(self, channel: str, frames: list[bytes]) -> KernelMessage | None:
-        # jupyter-client's Session.deserialize would also parse every header date with
-        # dateutil, a large share of a warm call's host time; kernelexec needs no dates.
-        session = self._kc.session
-        try:
-            _, parts = session.feed_identities(frames, copy=True)
-            signature = parts[0]
-            if not signature or signature in self._seen:
-                return self._drop("an unsigned or replayed message")
-            if not hmac.compare_digest(signature, session.sign(parts[1:5])):
-                return self._drop("a message with a bad signature")
-            self._seen[signature] = None
-            if len(self._seen) > 4096:
-                del self._seen[next(iter(self._seen))]
-            header = json.loads(parts[1])
-            parent = json.loads(parts[2]) or {}
-            content = json.loads(parts[4])
-            return KernelMessage(
-                channel=channel,  # type: ignore[arg-type]
-                msg_type=str(header["msg_type"]),
-                parent_id=parent.get("msg_id"),
-                content=content if isinstance(content, dict) else {},
-                buffers=tuple(parts[5:]),
-            )
-        except Exception:
-            # Garbage from the kernel (it holds the key and may send anything): drop it.
-            return self._drop("a message that does not decode")
-
-    def _drop(self, what: str) -> KernelMessage | None:
-        """Count a message that is not let through; always None (nothing to hand on)."""
-        self.dropped += 1
-        if self.dropped == 1 or self.dropped % 1000 == 0:
-            log.warning("dropped %s from a kernel (%d dropped so far)", what, self.dropped)
-        return None
 
     async def enter_workdir(self, path: str) -> None:
         if self._uid is None:
@@ -792,12 +614,10 @@ class LocalConnection(KernelConnection):
         # Every step runs even when one before it failed (a start that failed halfway, a host
         # out of descriptors): a failure is logged, and the directory always goes.
         km, self._km = self._km, None
-        kc, self._kc = self._kc, None
         try:
-            self._close_channels(kc)
+            self._wire.close()
         except Exception as exc:
             log.warning("closing a kernel's channels failed: %r", exc)
-        self._pending.clear()
         self._died = KernelDied("the kernel is shut down")
         try:
             await self._stop_processes(km)
@@ -805,24 +625,6 @@ class LocalConnection(KernelConnection):
             log.warning("stopping a kernel failed: %r", exc)
         finally:
             await self._release(km)
-
-    def _close_channels(self, kc: Any) -> None:
-        for fd in self._fds:
-            if self._loop is not None and not self._loop.is_closed():
-                self._loop.remove_reader(fd)
-        self._fds = []
-        if self._waiter is not None:
-            _wake(self._waiter)
-        self._senders = {}
-        drain, self._drain = self._drain, []
-        for _, sock in drain:
-            sock.close(linger=0)
-        if kc is not None:
-            # Only the channels started: the client's stop_channels() would first open the
-            # stdin and heartbeat sockets it never used, just to ask whether they run.
-            for channel in (kc.shell_channel, kc.iopub_channel, kc.control_channel):
-                if channel.is_alive():
-                    channel.stop()
 
     async def _stop_processes(self, km: AsyncKernelManager | None) -> None:
         forked, self._forked = self._forked, None
@@ -930,11 +732,6 @@ def _is_kernel(cmdline: list[str]) -> bool:
     return " ".join(cmdline).startswith(_proctitle.KERNEL) or any(
         "from ipykernel import kernelapp" in arg for arg in cmdline
     )
-
-
-def _wake(waiter: asyncio.Future[None]) -> None:
-    if not waiter.done():
-        waiter.set_result(None)
 
 
 # An ipc socket's path must fit in sun_path: 108 bytes with the terminating NUL. Ours are
