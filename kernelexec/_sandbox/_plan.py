@@ -15,13 +15,15 @@ import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from functools import lru_cache
-from typing import Any
+from typing import Any, Literal
 
 import psutil
 
+from kernelexec import _proctitle
 from kernelexec._exceptions import ConfigError, KernelStartError
 from kernelexec._models import IsolationLevel, check_isolation
 from kernelexec._sandbox import _bwrap, _cgroups, _mounts, _seccomp, _users
+from kernelexec._sandbox._launcher import launcher_argv, launcher_config
 
 
 def default_limits() -> dict[str, float]:
@@ -87,6 +89,64 @@ class SandboxPlan:
     budget_mb: float = 0
     """Memory of all of an executor's kernels together (0: no budget)."""
 
+    @property
+    def confined(self) -> bool:
+        """Whether kernels run under kernelexec's launcher (every level but ``"none"``)."""
+        return self.level != "none"
+
+    def prepare(
+        self,
+        python: str,
+        env: dict[str, str],
+        kdir: str,
+        workdir: str | None,
+        *,
+        uid: int | None = None,
+        procs: list[str] | None = None,
+    ) -> KernelSetup:
+        """Everything one kernel's launch takes from the plan, once its own directory
+        ``kdir``, its user ``uid`` (when :attr:`own_user`) and its cgroup's ``procs`` files
+        (when :attr:`use_cgroup`) exist: the kernel's whole environment (``env`` and what the
+        level adds), its title, the launcher's configuration with what it bridges and its
+        scratch space, and bubblewrap's command line at ``"bwrap"``.
+
+        Raises:
+            KernelStartError: a path the kernel needs is no longer reachable.
+        """
+        full = dict(env)
+        if self.confined:
+            full["HOME"] = kdir
+            full.update(self.extra_env)
+        full["PATH"] = _users.kernel_path(python, full.get("PATH"), own_user=self.own_user)
+        full["IPYTHONDIR"] = os.path.join(kdir, "ipython")
+        full.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+        title = _proctitle.kernel_title(None, self.level)
+        if not self.confined:
+            return KernelSetup(self.level, full, title)
+        bwrap = self.level == "bwrap"
+        launcher = {
+            "procs": procs or [],
+            "rlimits": self.rlimits,
+            "uid": None if bwrap else uid,  # under bwrap, setpriv drops the user
+            "bridges": self.bridges(kdir, workdir),
+            "scratch": self.scratch(kdir, workdir),
+            "no_userns": self.no_userns,
+        }
+        prefix: tuple[str, ...] = ()
+        if bwrap:
+            prefix = tuple(
+                _bwrap.bwrap_argv(
+                    readonly=list(self.readonly),
+                    writable=[kdir, *([workdir] if workdir else [])],
+                    env=full,
+                    chdir=kdir,
+                    network=self.network,
+                    uid=uid,
+                    tmp_mb=self.scratch_mb,
+                )
+            )
+        return KernelSetup(self.level, full, title, launcher, prefix)
+
     def limit_of(self, name: str) -> str:
         """``"memory_mb=256"``: a limit with its value, for errors."""
         value = self.cgroup_limits.get(name)
@@ -122,6 +182,47 @@ class SandboxPlan:
         keep = [p for p in needed if _under_tmp(p) and p != "/tmp"]
         keep = [p for p in keep if not any(q != p and p.startswith(q + "/") for q in keep)]
         return {"size": self.scratch_mb * 1024 * 1024, "keep": keep, "ipc": True}
+
+
+NO_SANDBOX = SandboxPlan(level="none", network=True)
+"""The plan of a kernel at ``"none"``: a plain process of the host's user."""
+
+
+@dataclass(frozen=True)
+class KernelSetup:
+    """What one kernel's launch takes from its plan (:meth:`SandboxPlan.prepare`)."""
+
+    level: IsolationLevel
+    env: dict[str, str]
+    """The kernel's whole environment."""
+    title: str
+    """The kernel's title in ``ps`` until a session takes it."""
+    launcher_args: dict[str, Any] | None = None
+    """:func:`~kernelexec._sandbox._launcher.launcher_config`'s arguments but the parent (see
+    :meth:`launcher`); None: no launcher (at ``"none"``)."""
+    bwrap: tuple[str, ...] = ()
+    """bubblewrap's command-line prefix (empty: not under bubblewrap)."""
+
+    @property
+    def interrupt_mode(self) -> Literal["signal", "message"]:
+        """How jupyter-client interrupts the kernel: under bwrap a SIGINT to the process group
+        would hit bwrap, which dies of it."""
+        return "message" if self.bwrap else "signal"
+
+    def launcher(self, parent: int) -> dict[str, Any] | None:
+        """The launcher's configuration when ``parent`` starts it (this process, or a fork
+        server); None without a launcher."""
+        if self.launcher_args is None:
+            return None
+        return launcher_config(**self.launcher_args, host_pid=parent)
+
+    def argv(self, kernel: list[str], parent: int) -> list[str]:
+        """The command line of a plain launch by ``parent`` of the ``kernel`` command: under
+        the launcher, and inside bubblewrap at ``"bwrap"``."""
+        launcher = self.launcher(parent)
+        if launcher is None:
+            return kernel
+        return launcher_argv([*self.bwrap, *kernel], launcher)
 
 
 @lru_cache(maxsize=32)

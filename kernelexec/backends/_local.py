@@ -15,7 +15,7 @@ interpreter when one can run, which saves the interpreter's start-up and imports
 launched the plain way, a fresh interpreter per kernel.
 
 This module controls the process; its messages go through ``_wire`` (framing, signatures,
-the receive queue).
+the receive queue), and what its confinement needs comes from the sandbox plan's ``prepare``.
 """
 
 from __future__ import annotations
@@ -41,9 +41,7 @@ from kernelexec import _proctitle
 from kernelexec._exceptions import ConfigError, KernelStartError
 from kernelexec._models import Isolation, IsolationLevel
 from kernelexec._sandbox import _cgroups, _uids, _users
-from kernelexec._sandbox._bwrap import bwrap_argv
-from kernelexec._sandbox._launcher import launcher_argv, launcher_config
-from kernelexec._sandbox._plan import SandboxPlan, make_plan
+from kernelexec._sandbox._plan import NO_SANDBOX, KernelSetup, SandboxPlan, make_plan
 from kernelexec._tempdirs import make_owned_dir
 from kernelexec.backends import _hostlimits, _wire
 from kernelexec.backends._base import (
@@ -308,7 +306,7 @@ class LocalConnection(KernelConnection):
         """How the current kernel was started: ``"fork server"`` or ``"plain"``."""
         self._extra_args = extra_args
         self._env = dict(env)
-        self._plan = plan if plan is not None and plan.level != "none" else None
+        self._sandbox = plan or NO_SANDBOX
         self._workdir = workdir
         self._dir = ""
         self._uid: int | None = None
@@ -320,6 +318,11 @@ class LocalConnection(KernelConnection):
         self._died: KernelDied | None = None
 
     @property
+    def _plan(self) -> SandboxPlan | None:
+        """The kernel's confinement; None at ``"none"`` (no launcher)."""
+        return self._sandbox if self._sandbox.confined else None
+
+    @property
     def dropped(self) -> int:
         """Messages dropped for a bad signature, a replay or garbage (since the start)."""
         return self._wire.dropped
@@ -327,52 +330,29 @@ class LocalConnection(KernelConnection):
     async def launch(self) -> None:
         """Start the process in a fresh private directory and connect its channels."""
         _check_socket_room()
-        self._dir = make_owned_dir("kx-")
-        plan = self._plan
-        kdir = self._dir
-        env = dict(self._env)
-        if plan is not None:
-            if plan.own_user:
-                self._uid = await asyncio.to_thread(_uids.allocate)
-                self._owns_uid = True
-                _users.hand_over(kdir, self._uid)
-                if self._workdir:
-                    _users.allow_search(self._workdir)
-            env["HOME"] = kdir
-            env.update(plan.extra_env)
-            if plan.use_cgroup:
-                self._new_cgroup(plan, "kernel")
-        own_user = plan is not None and plan.own_user
-        env["PATH"] = _users.kernel_path(self._python, env.get("PATH"), own_user=own_user)
-        env["IPYTHONDIR"] = os.path.join(kdir, "ipython")
-        env.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")
+        self._dir = kdir = make_owned_dir("kx-")
+        plan = self._sandbox
+        if plan.own_user:
+            self._uid = await asyncio.to_thread(_uids.allocate)
+            self._owns_uid = True
+            _users.hand_over(kdir, self._uid)
+            if self._workdir:
+                _users.allow_search(self._workdir)
+        if plan.use_cgroup:
+            self._new_cgroup(plan, "kernel")
+        procs = self._cgroup.procs_files if self._cgroup else []
+        setup = plan.prepare(
+            self._python, self._env, kdir, self._workdir, uid=self._uid, procs=procs
+        )
         kernel_args = ["-f", "{connection_file}", *_KERNEL_FLAGS, *self._extra_args]
-        bwrap = plan is not None and plan.level == "bwrap"
-        if not bwrap and await self._fork(env, kernel_args, kdir):
+        if await self._fork(setup, kernel_args, kdir):
             return await self._connect()
-        argv = [self._python, "-c", lean_launcher(self._title()), *kernel_args]
-        if plan is not None:
-            if bwrap:
-                writable = [kdir, *([self._workdir] if self._workdir else [])]
-                argv = [
-                    *bwrap_argv(
-                        readonly=list(plan.readonly),
-                        writable=writable,
-                        env=env,
-                        chdir=kdir,
-                        network=plan.network,
-                        uid=self._uid,
-                        tmp_mb=plan.scratch_mb,
-                    ),
-                    *argv,
-                ]
-            argv = launcher_argv(argv, self._launcher_config(kdir, os.getpid(), bwrap=bwrap))
+        kernel = [self._python, "-c", lean_launcher(setup.title), *kernel_args]
         spec = KernelSpec(
-            argv=argv,
+            argv=setup.argv(kernel, os.getpid()),
             display_name="kernelexec",
             language="python",
-            # Under bwrap a SIGINT to the process group would hit bwrap, which dies of it.
-            interrupt_mode="message" if bwrap else "signal",
+            interrupt_mode=setup.interrupt_mode,
             metadata={},
             env={},
         )
@@ -383,7 +363,9 @@ class LocalConnection(KernelConnection):
         # failed start can be explained.
         self._stderr = tempfile.TemporaryFile()  # noqa: SIM115
         try:
-            await km.start_kernel(env=env, cwd=kdir, stdout=subprocess.DEVNULL, stderr=self._stderr)
+            await km.start_kernel(
+                env=setup.env, cwd=kdir, stdout=subprocess.DEVNULL, stderr=self._stderr
+            )
         except Exception as exc:
             raise KernelStartError(f"could not launch {self._python}: {exc}") from exc
         self.launched_by = "plain"
@@ -404,34 +386,30 @@ class LocalConnection(KernelConnection):
         km.kernel_uid = self._uid
         return km
 
-    async def _fork(self, env: dict[str, str], kernel_args: list[str], kdir: str) -> bool:
+    async def _fork(self, setup: KernelSetup, kernel_args: list[str], kdir: str) -> bool:
         """Start the kernel from a fork server; False when there is none to use (then the
         caller launches it the plain way)."""
         forks = self._forks
         if forks is None:
             return False
-        server = forks.server_for(self._python, env, self._plan.level if self._plan else "none")
+        server = forks.server_for(self._python, setup.env, setup.level)
         if server is None:
             return False
+        assert server.pid is not None  # server_for hands out started servers only
         km = self._manager(kdir)
         km.write_connection_file()
         host = os.getpid()
         args = [a.replace("{connection_file}", km.connection_file) for a in kernel_args]
         args.append(f"--IPKernelApp.parent_handle={host}")
-        plan = self._plan
-        launcher = None
-        if plan is not None:
-            assert server.pid is not None  # server_for hands out started servers only
-            launcher = self._launcher_config(kdir, server.pid, bwrap=False)
         self._stderr = stderr = tempfile.TemporaryFile()  # noqa: SIM115
         forked = await forks.fork(
             server,
             argv=args,
-            env={**env, "JPY_PARENT_PID": str(host)},
+            env={**setup.env, "JPY_PARENT_PID": str(host)},
             cwd=kdir,
             stderr=stderr.fileno(),
-            launcher=launcher,
-            title=self._title(),
+            launcher=setup.launcher(server.pid),
+            title=setup.title,
         )
         if forked is None:
             stderr.close()
@@ -448,26 +426,6 @@ class LocalConnection(KernelConnection):
         assert km is not None
         self._wire.open(km)
         self._died = None
-
-    def _title(self) -> str:
-        """The new kernel's title in ``ps`` until a session takes it."""
-        return _proctitle.kernel_title(None, self._plan.level if self._plan else "none")
-
-    def _launcher_config(self, kdir: str, parent: int, *, bwrap: bool) -> dict[str, Any]:
-        """The launcher's configuration for this kernel; ``parent`` is the process that
-        starts the launcher (this one, or the fork server). Under bwrap the user is dropped by
-        bwrap, not the launcher."""
-        plan = self._plan
-        assert plan is not None
-        return launcher_config(
-            procs=self._cgroup.procs_files if self._cgroup else [],
-            rlimits=plan.rlimits,
-            uid=None if bwrap else self._uid,
-            host_pid=parent,
-            bridges=plan.bridges(kdir, self._workdir),
-            scratch=plan.scratch(kdir, self._workdir),
-            no_userns=plan.no_userns,
-        )
 
     def _new_cgroup(self, plan: SandboxPlan, what: str) -> None:
         """Make the kernel's cgroup (its memory group in the executor's budget).
@@ -521,7 +479,7 @@ class LocalConnection(KernelConnection):
     def kernel_pid(self) -> int | None:
         proc = self._process()
         pid = getattr(proc, "pid", None)
-        if pid is None or self._plan is None:
+        if pid is None or not self._sandbox.confined:
             return pid
         if self._forked is not None:
             # The launcher's first child is the kernel: orphans it adopts come after it.
@@ -579,13 +537,13 @@ class LocalConnection(KernelConnection):
         if code is None:
             return None
         limit = ""
-        cgroup, plan, budget = self._cgroup, self._plan, self._budget
-        if cgroup is not None and plan is not None and cgroup.oom_kills():
+        cgroup, budget = self._cgroup, self._budget
+        if cgroup is not None and cgroup.oom_kills():
             # Killed by the OOM killer without ever reaching its own limit: the budget's.
             if budget is not None and not cgroup.reached_own_limit():
                 limit = f"memory_budget_mb={budget.budget_mb:g} (the executor's kernels together)"
             else:
-                limit = plan.limit_of("memory_mb")
+                limit = self._sandbox.limit_of("memory_mb")
         self._died = KernelDied(describe_exit(code), self.diagnostics(), limit)
         return self._died
 
@@ -630,7 +588,7 @@ class LocalConnection(KernelConnection):
         forked, self._forked = self._forked, None
         if forked is not None:
             try:
-                await stop_forked(forked, launcher=self._plan is not None)
+                await stop_forked(forked, launcher=self._sandbox.confined)
             finally:
                 if self._forks is not None:
                     self._forks.kernel_ended(forked.server)
@@ -677,7 +635,7 @@ class LocalConnection(KernelConnection):
             self._dir = ""
         if uid is not None and owned:
             # Only now: the uid's processes are gone and its files handed back or removed.
-            shared = self._plan is None or not self._plan.scratch_mb
+            shared = not self._sandbox.scratch_mb
             try:
                 await asyncio.to_thread(_uids.release, uid, shared)
             except Exception as exc:
@@ -687,7 +645,7 @@ class LocalConnection(KernelConnection):
     async def _stop_launcher(self, km: AsyncKernelManager) -> None:
         """Have the launcher kill the kernel and every descendant, and wait until it has."""
         proc = getattr(km.provisioner, "process", None)
-        if self._plan is None or proc is None or proc.poll() is not None:
+        if not self._sandbox.confined or proc is None or proc.poll() is not None:
             return
         with contextlib.suppress(OSError):
             proc.send_signal(signal.SIGTERM)
