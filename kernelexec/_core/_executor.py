@@ -32,9 +32,9 @@ from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError
 from kernelexec._models import Execution, Isolation, ToolResult
 from kernelexec._notebooks._io import safe_filename
-from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import bootstrap_request
+from kernelexec._recording import SessionRecorder
 from kernelexec._sandbox import _disk
 from kernelexec._sandbox._build import BuildConfinement
 from kernelexec._tempdirs import make_owned_dir, remove_tree, sweep_once
