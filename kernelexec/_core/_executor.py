@@ -7,6 +7,7 @@ import asyncio
 import logging
 import os
 import shutil
+import sys
 import weakref
 from collections import OrderedDict
 from pathlib import Path, PurePath, PurePosixPath
@@ -14,7 +15,7 @@ from typing import Any
 
 from kernelexec._branching._family import Brancher
 from kernelexec._codemode._exposure import HostFunctions
-from kernelexec._config import ExecutorConfig, make_config
+from kernelexec._config import ExecutorConfig, ExecutorOptions, make_config
 from kernelexec._core._attach import SessionRegistration
 from kernelexec._core._budget import KernelBudget
 from kernelexec._core._forking import SessionBranches
@@ -41,6 +42,11 @@ from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLaunch
 from kernelexec.backends._local import LocalBackend
 from kernelexec.backends._registry import get_backend
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pydantic's own dependency
+    from typing_extensions import Unpack
 
 log = logging.getLogger("kernelexec")
 
@@ -72,7 +78,8 @@ class AsyncKernelExecutor:
         backend_options: Keyword arguments for a backend given by name.
         on_progress: Called with :class:`~kernelexec.EnvProgress` events while venvs build.
         **config: Fields of :class:`~kernelexec.ExecutorConfig` (``env_vars``,
-            ``default_timeout``, ``max_kernels``, ``prewarm``, ``idle_timeout``, ...).
+            ``default_timeout``, ``max_kernels``, ``prewarm``, ``idle_timeout``, ...), typed
+            as :class:`~kernelexec.ExecutorOptions` so a type checker catches a misspelt one.
 
     Raises:
         ConfigError: a configuration value is invalid, or the backend cannot run the
@@ -87,7 +94,7 @@ class AsyncKernelExecutor:
         backend: KernelBackend | str | None = None,
         backend_options: dict[str, Any] | None = None,
         on_progress: ProgressCallback | None = None,
-        **config: Any,
+        **config: Unpack[ExecutorOptions],
     ) -> None:
         self.config = make_config(**config)
         self.backend = _resolve_backend(backend, backend_options)
