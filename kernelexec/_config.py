@@ -22,6 +22,7 @@ from pydantic import (
 from kernelexec._envs._envs import Env, LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError, describe_problems
 from kernelexec._models import DEFAULT_ENV_ALLOWLIST, Limits
+from kernelexec._public import public
 
 
 def valid_timeout(value: Any, what: str = "timeout", *, zero: bool = False) -> float:
@@ -225,3 +226,6 @@ class ExecutorOptions(TypedDict, total=False):
     checkpoint: Literal["on_evict", "after_call"]
     max_checkpoint_bytes: int
     setup_code: str | None
+
+
+public(ExecutorConfig, ExecutorOptions)

@@ -30,6 +30,7 @@ from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._files._blocking import SessionCommands, SessionFiles
 from kernelexec._models import Execution, Hibernation, Isolation, ToolResult
 from kernelexec._notebooks._replay import ReplayReport, areplay
+from kernelexec._public import public
 from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend
 
@@ -411,3 +412,6 @@ def replay(path: str | Path, **kwargs: Any) -> ReplayReport:
         return portal.call(areplay, path, **kwargs)
     finally:
         portal.stop()
+
+
+public(KernelExecutor, replay, Session, Snapshot)
