@@ -11,6 +11,7 @@ stuck one) is left running on its own, or never finishes.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -55,7 +56,7 @@ def call_blocking(loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, T])
     ``work`` runs in a copy of the caller's context (``call_soon_threadsafe`` copies it), so
     the caller's OpenTelemetry span is its parent.
     """
-    future = asyncio.run_coroutine_threadsafe(work, loop)
+    future = _submit(work, loop)
     try:
         return future.result()
     except BaseException:
@@ -66,17 +67,28 @@ def call_blocking(loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, T])
 async def await_on(loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, T]) -> T:
     """Run ``work`` on ``loop`` (running in another thread) and await it from the caller's own
     loop; cancelling the caller cancels ``work`` there."""
-    return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(work, loop))
+    return await asyncio.wrap_future(_submit(work, loop))
+
+
+def _submit(
+    work: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop
+) -> concurrent.futures.Future[T]:
+    try:
+        return asyncio.run_coroutine_threadsafe(work, loop)
+    except BaseException:  # the loop is closed: ``work`` will never run
+        work.close()
+        raise
 
 
 class LoopThread:
     """An event loop on a daemon thread of its own, for code that is not on that loop.
 
-    The blocking facade, Letta's process-wide executor and the framework adapters hand their
-    coroutines to one of these. It runs as ``asyncio.run`` does: when :meth:`stop` ends it,
-    the calls still running are cancelled, async generators and the default executor's
-    threads are shut down, and the loop is closed. Daemon: a host that never stops it can
-    still exit (a ``weakref.finalize`` of the owner stops it at exit, the loop still running).
+    The blocking facade and Letta's process-wide executor each own one (the framework adapters
+    reach the facade's through :func:`call_blocking` and :func:`await_on`). It runs as
+    ``asyncio.run`` does: when :meth:`stop` ends it, the calls still running are cancelled,
+    async generators and the default executor's threads are shut down, and the loop is
+    closed. Daemon: a host that never stops it can still exit (a ``weakref.finalize`` of the
+    owner stops it at exit, the loop still running).
 
     Args:
         name: The thread's name (what a debugger or ``py-spy`` shows).

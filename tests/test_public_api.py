@@ -109,6 +109,8 @@ def test_a_loop_thread_serves_calls_and_cancels_the_rest_when_stopped() -> None:
     assert runner.loop.is_closed()
     assert "kernelexec-test" not in [t.name for t in threading.enumerate()]
     runner.stop()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        runner.call(_add, 1, 2)  # refused, the coroutine closed (no "never awaited" warning)
 
 
 def test_a_loop_thread_is_awaited_from_another_loop_and_cancelled_with_its_caller() -> None:
