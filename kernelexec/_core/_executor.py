@@ -20,7 +20,7 @@ from kernelexec._core._forking import SessionBranches
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._pool import KernelPool
-from kernelexec._core._registry import SessionRegistry
+from kernelexec._core._registry import KnownSessions
 from kernelexec._core._session import AsyncSession
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
@@ -103,7 +103,7 @@ class AsyncKernelExecutor:
             self.config.cache_dir, self.config.installer, on_progress, self._confinement()
         )
         self._state = Lifecycle("the executor")
-        self._registry = SessionRegistry(self._state, self._released)
+        self._registry = KnownSessions(self._state, self._released)
         self._dirs_used: set[str] = set()
         self._dirs_made: set[str] = set()  # session directories this executor made
         self._pools: dict[str, KernelPool] = {}

@@ -1,4 +1,4 @@
-"""``SessionRegistry``: an executor's sessions by agent id and environment fingerprint.
+"""``KnownSessions``: the registry of an executor's sessions, by agent id and environment.
 
 A session with a kernel is *live* and held strongly. One whose kernel was evicted is *parked*:
 held weakly, kept while its caller holds it and forgotten otherwise, so an executor's memory is
@@ -27,7 +27,7 @@ Released = Callable[[KernelLease, SessionRecorder | None], None]
 _MAX_REMEMBERED_LOSSES = 1_024
 
 
-class SessionRegistry:
+class KnownSessions:
     """The sessions of one executor: live, parked, and what forgotten ones lost.
 
     Args:
