@@ -16,7 +16,7 @@ from typing import Any
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._session import AsyncSession
 from kernelexec._core._state import Lifecycle
-from kernelexec._notebooks._recording import SessionRecorder
+from kernelexec._recording import SessionRecorder
 
 Key = tuple[str, str]
 """(agent id, environment fingerprint)."""
