@@ -27,7 +27,8 @@ def _public_objects() -> list[tuple[str, Any]]:
     ]
 
 
-@pytest.mark.parametrize(("name", "obj"), _public_objects(), ids=lambda v: str(v)[:40])
+# Ids by name: a function's repr holds its address, which differs between xdist's workers.
+@pytest.mark.parametrize(("name", "obj"), _public_objects(), ids=[n for n, _ in _public_objects()])
 def test_public_classes_and_functions_are_named_by_the_package(name: str, obj: Any) -> None:
     assert obj.__module__ == "kernelexec"
     if isinstance(obj, type):
