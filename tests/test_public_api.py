@@ -9,6 +9,7 @@ import inspect
 import pickle
 import threading
 import types
+import typing
 from typing import Any
 
 import pytest
@@ -152,3 +153,10 @@ def test_the_blocking_facade_runs_on_one_named_loop_thread() -> None:
         assert [t.name for t in mine if t.name == "kernelexec"] == ["kernelexec"]
         assert all(t.daemon for t in mine if t.name == "kernelexec")
     assert "kernelexec" not in [t.name for t in threading.enumerate() if t.ident not in before]
+
+
+@pytest.mark.parametrize("name", [n for n, obj in _public_objects() if isinstance(obj, type)])
+def test_type_hints_of_public_classes_resolve(name: str) -> None:
+    # Named by the package, which imports lazily: the hints must not need its namespace.
+    hints = typing.get_type_hints(getattr(kx, name))
+    assert all(not isinstance(v, str) for v in hints.values())
