@@ -3,6 +3,7 @@ tracebacks, pickles and the API docs), not by the private module that defines ea
 
 from __future__ import annotations
 
+import inspect
 import sys
 import typing
 
@@ -24,7 +25,7 @@ def public(*objects: type | object) -> None:
 
 
 def _resolve_annotations(cls: type) -> None:
-    own = cls.__dict__.get("__annotations__")
+    own = inspect.get_annotations(cls)
     if not own or not any(isinstance(v, str) for v in own.values()):
         return
     namespace = vars(sys.modules[cls.__module__])
