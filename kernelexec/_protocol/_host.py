@@ -2,8 +2,8 @@
 
 A run's request is built by one function (:func:`build_request`, from a :class:`CodeRun` or a
 :class:`ToolCall`) and its reply read by one (:func:`read_reply`, into a :class:`Reply`).
-Their counterpart runs inside the kernel (``_kernel_side.py`` and ``_kernel_budget.py``, sent as
-text at start-up); the constants and keys both halves need are defined there and imported here,
+Their counterpart runs inside the kernel (``_kernel_side.py`` and its companions, sent as text
+at start-up); the constants and keys both halves need are defined there and imported here,
 so they cannot drift apart. Plain functions and frozen values: no I/O, no kernel, no state.
 """
 
@@ -127,6 +127,7 @@ def bootstrap_request(
             kernel_side.METADATA_KEY: {
                 kernel_side.INSTALL_SOURCE: files.joinpath("_kernel_side.py").read_text(),
                 kernel_side.INSTALL_BUDGET_SOURCE: files.joinpath("_kernel_budget.py").read_text(),
+                kernel_side.INSTALL_TUNING_SOURCE: files.joinpath("_kernel_tuning.py").read_text(),
                 kernel_side.INSTALL_OUTPUT_SOURCE: files.joinpath("_kernel_output.py").read_text(),
                 "max_output_chars": max_output_chars,
                 "report_expression": REPORT_EXPRESSION,

@@ -8,7 +8,8 @@ What it does inside the kernel:
 
 * installs ``_kernel_budget.py`` (sent along): every run's output is capped and counted, and
   the count rides on the reply;
-* keeps no output history (IPython 9 would keep every printed byte for the kernel's lifetime);
+* installs ``_kernel_tuning.py`` (sent along): no output history (IPython 9 would keep every
+  printed byte for the kernel's lifetime), less work per call, fd-level output waited for;
 * runs tool calls whose arguments arrive as JSON in the request's metadata, never as code,
   served by its own shell handler (``CALL_REQUEST``, see :func:`_serve_call`) without
   IPython's execute machinery, or from an execute request where that is switched off;
@@ -38,19 +39,15 @@ import dataclasses
 import datetime
 import decimal
 import enum
-import gc
 import importlib
 import inspect
 import json
 import linecache
-import logging
 import math
 import os
 import pathlib
-import select
 import signal
 import sys
-import time
 import types
 import uuid
 from typing import Any
@@ -136,40 +133,20 @@ RESULT_AGENT_STATE = "agent_state"
 BUDGET_MODULE_NAME = "__kernelexec_budget__"
 """The name ``_kernel_budget.py`` (the output budget and count) is installed under."""
 
+TUNING_MODULE_NAME = "__kernelexec_tuning__"
+"""The name ``_kernel_tuning.py`` (install-time tuning of ipykernel and IPython) is installed
+under."""
+
 OUTPUT_MODULE_NAME = "__kernelexec_output__"
 """The name ``_kernel_output.py`` (flow control, whole characters) is installed under."""
 
 # Keys of the install request's metadata: this module's source and its companions'.
 INSTALL_SOURCE = "source"
 INSTALL_BUDGET_SOURCE = "budget_source"
+INSTALL_TUNING_SOURCE = "tuning_source"
 INSTALL_OUTPUT_SOURCE = "output_source"
 
 _budgets: Any = None  # ``_kernel_budget``, once install() has executed it
-
-
-class _NoOutputHistory(dict):  # type: ignore[type-arg]
-    """Stands in for IPython's output and exception history: everything put in is dropped.
-
-    IPython 9 keeps every printed byte, displayed bundle (``%history -o``) and formatted
-    traceback of a kernel's lifetime there.
-    """
-
-    def __missing__(self, key: Any) -> list[Any]:
-        return []
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-
-def _keep_no_output_history(shell: Any) -> None:
-    # ``_tee`` is IPython 9's per-cell wrapper of sys.stdout/err.write that fills the history.
-    shell._tee = lambda channel: contextlib.nullcontext()
-    if hasattr(shell, "_format_exception_for_storage"):
-        shell._format_exception_for_storage = lambda *args, **kwargs: None  # formats it again
-    history = getattr(shell, "history_manager", None)
-    for name in ("outputs", "exceptions"):
-        if history is not None and hasattr(history, name):
-            setattr(history, name, _NoOutputHistory())
 
 
 _state: dict[str, Any] = {"result": None, "tools": {}, "budget": None}
@@ -215,93 +192,6 @@ def _sealed(payloads: Any) -> list[Any]:
     return kept
 
 
-def _skip_empty_flush(stream: Any) -> None:
-    """Make ``flush()`` return at once when nothing is buffered.
-
-    ipykernel flushes stdout and stderr several times per execution, and each flush is a round
-    trip to its IOPub thread even with nothing to send (about a tenth of a warm call's kernel
-    time, measured with py-spy). A write always sets ``_flush_pending`` until its data is
-    flushed, so when neither flag is set there is nothing a flush could send.
-    """
-    original = stream.flush
-    if not hasattr(stream, "_flush_pending"):
-        return  # an ipykernel without these internals: keep its behaviour
-
-    def flush() -> None:
-        if stream._flush_pending or getattr(stream, "_subprocess_flush_pending", False):
-            original()
-
-    stream.flush = flush
-
-
-def _wait_for_fd_output(readers: list[Any], streams: list[Any]) -> None:
-    """Let the fd-capture threads hand over output written before the run ended.
-
-    C-level and subprocess output reaches the kernel through a pipe that a thread reads; at the
-    end of a run some of it may be in the pipe still, or read but not yet written to the stream,
-    and it would then be sent after the run is over (and lost to the caller). kernelexec's own
-    readers (``_kernel_output.PipeReader``) say exactly when they have caught up. For a stream
-    still read by ipykernel's thread (an ipykernel the reader does not fit) this can only wait
-    while its pipe has data, at most 50 ms, and a moment for the chunk in the thread's hands.
-    """
-    for reader in readers:
-        reader.catch_up()
-    fds = [s._fid for s in streams if isinstance(getattr(s, "_fid", None), int)]
-    if not fds:
-        return
-    deadline = time.monotonic() + 0.05
-    waited = False
-    poller = select.poll()  # not select(): a descriptor above 1023 is fine here
-    for fd in fds:
-        poller.register(fd, select.POLLIN)
-    while time.monotonic() < deadline:
-        try:
-            readable = [fd for fd, ev in poller.poll(0) if ev & select.POLLIN]
-        except (OSError, ValueError):
-            return
-        if not readable:
-            break
-        waited = True
-        time.sleep(0.0005)
-    if waited:
-        time.sleep(0.001)  # the reader holds the last chunk for a moment before writing it
-
-
-def _fast_dates() -> None:
-    """Parse the dates in every incoming message's headers with ``datetime.fromisoformat``.
-
-    jupyter-client's ``Session.deserialize`` parses them with dateutil, about 12 us per header
-    and a twelfth of a served call's kernel time (py-spy). Python 3.11's ``fromisoformat``
-    reads the same ISO 8601 strings to the same values; anything it refuses (and every
-    string on older Pythons) goes the original way.
-    """
-    # Already imported by ipykernel; looked up, not imported (this module is standard library
-    # only: another kernel may lack jupyter-client).
-    session = sys.modules.get("jupyter_client.session")
-    jsonutil = sys.modules.get("jupyter_client.jsonutil")
-    if session is None or jsonutil is None:
-        return
-    original: Any = getattr(session, "extract_dates", None)
-    pattern = getattr(jsonutil, "ISO8601_PAT", None)
-    ensure_tz = getattr(jsonutil, "_ensure_tzinfo", None)
-    if original is None or pattern is None or ensure_tz is None or sys.version_info < (3, 11):
-        return
-
-    def extract_dates(obj: Any) -> Any:
-        if isinstance(obj, dict):
-            return {key: extract_dates(value) for key, value in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return [extract_dates(item) for item in obj]
-        if isinstance(obj, str) and pattern.match(obj):
-            try:
-                return ensure_tz(datetime.datetime.fromisoformat(obj))
-            except ValueError:
-                return original(obj)
-        return obj
-
-    setattr(session, "extract_dates", extract_dates)  # noqa: B010 (not exported: mypy)
-
-
 def _fast_report(expression: str) -> None:
     """Answer kernelexec's own report expression without IPython's display formatter.
 
@@ -342,6 +232,7 @@ def install() -> None:
     if hasattr(sys, "set_int_max_str_digits"):
         sys.set_int_max_str_digits(0)  # big integers cross as JSON both ways (see the README)
     _budgets = _load_module(BUDGET_MODULE_NAME, cfg.get(INSTALL_BUDGET_SOURCE))
+    tuning = _load_module(TUNING_MODULE_NAME, cfg.get(INSTALL_TUNING_SOURCE))
     budget = _budgets.Budget(int(cfg.get("max_output_chars", 1_000_000)))
     _state["budget"] = budget
     if cfg.get("title_source"):
@@ -351,12 +242,12 @@ def install() -> None:
     shell = _ip()
     _state["shell"] = shell
     kernel = shell.kernel
-    _keep_no_output_history(shell)
-    _quiet_debug_log(kernel)
+    tuning.keep_no_output_history(shell)
+    tuning.quiet_debug_log(kernel)
     streams = [s for s in (sys.stdout, sys.stderr) if hasattr(s, "session")]
     output = _load_module(OUTPUT_MODULE_NAME, cfg.get(INSTALL_OUTPUT_SOURCE))
     gate = None
-    readers: list[Any] = []  # kernelexec's readers of the captured fds (see _wait_for_fd_output)
+    readers: list[Any] = []  # kernelexec's readers of the captured fds (see wait_for_fd_output)
     if output is not None:
         for stream in streams:
             reader = output.decode_whole_characters(stream)
@@ -374,13 +265,13 @@ def install() -> None:
     if cfg.get("fast_paths", True):
         for stream in (sys.stdout, sys.stderr):
             if hasattr(stream, "session"):  # an ipykernel OutStream
-                _skip_empty_flush(stream)
+                tuning.skip_empty_flush(stream)
     if cfg.get("fast_paths", True):
-        _fast_dates()
+        tuning.fast_dates()
     if cfg.get("fast_paths", True) and cfg.get("report_expression"):
         _fast_report(cfg["report_expression"])
     polled = [s for s in streams if all(r.stream is not s for r in readers)]
-    shell.events.register("post_execute", lambda: _wait_for_fd_output(readers, polled))
+    shell.events.register("post_execute", lambda: tuning.wait_for_fd_output(readers, polled))
     shell.events.register("pre_execute", lambda: budget.reset(_run_id()))
     shell.events.register("pre_execute", lambda: _state.pop("verdict", None))
     shell.events.register("pre_execute", configure)
@@ -403,21 +294,7 @@ def install() -> None:
         handlers["call"] = (CALL_REQUEST, _call_handler(kernel, shell, budget))
     served = _serve(kernel, handlers)
     shell.payload_manager.write_payload({"source": CAPABILITIES_PAYLOAD, SERVES: served})
-    _return_free_memory()
-
-
-def _return_free_memory() -> None:
-    """Give the C heap's free pages back to the system once the kernel is up.
-
-    Starting a kernel leaves a few MiB of freed, still-resident heap (its configuration,
-    compiling this module): returned, an idle forked kernel holds about 2 MiB less
-    (glibc's ``malloc_trim``, measured; 1 ms). Elsewhere nothing happens.
-    """
-    import ctypes
-
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
+    tuning.return_free_memory()
 
 
 def _serve(kernel: Any, handlers: dict[str, tuple[str, Any]]) -> list[str]:
@@ -560,22 +437,6 @@ def _show_result(shell: Any, value: Any) -> None:
         hook.write_format_data(data, metadata)
         hook.log_output(data)
     hook.finish_displayhook()
-
-
-def _quiet_debug_log(kernel: Any) -> None:
-    """Raise the kernel logger's level to what its handlers let through.
-
-    traitlets sets an application's logger to DEBUG and filters in its handler, so each of the
-    debug lines ipykernel logs for every message builds a log record that is then thrown away
-    (about a tenth of a served call's kernel time, measured with py-spy).
-    """
-    log = getattr(kernel, "log", None)
-    handlers = getattr(log, "handlers", None)
-    if not isinstance(log, logging.Logger) or not handlers or log.level > logging.DEBUG:
-        return
-    least = min(h.level for h in handlers)
-    if least > logging.DEBUG and not log.propagate:
-        log.setLevel(least)
 
 
 def _run_id() -> Any:
