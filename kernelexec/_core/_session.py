@@ -1,10 +1,10 @@
 """``AsyncSession``: one agent's persistent kernel, its calls serialised in submission order.
 
-The session checks what the caller passed, describes the run (``_protocol._host``), runs it on
-its lease's kernel (``_run``), turns what happened into a typed result (``_results``), and
-hands each finished
-run to its observers as a frozen :class:`~kernelexec._models.RunRecord` (the notebook recorder
-is one). The kernel's lifecycle is the lease's (``_lease``).
+The session checks what the caller passed, describes the run (``_protocol._host`` builds its
+request), runs it on its lease's kernel (``_run``), turns what happened into a typed result
+(``_results``), and hands each finished run to its observers as a frozen
+:class:`~kernelexec._models.RunRecord` (the notebook recorder is one). The kernel's lifecycle
+is the lease's (``_lease``).
 """
 
 from __future__ import annotations
@@ -587,8 +587,8 @@ class AsyncSession:
         callbacks: Callbacks,
         once: OneCall | None = None,
     ) -> Ran:
-        """Do ``run`` on the lease's kernel: what it came to, with the kernel side's report and
-        the number of the kernel that ran it."""
+        """Run ``run`` on the lease's kernel: what it came to (its error, outputs, the kernel
+        side's report, the number of the kernel that ran it)."""
         start = time.monotonic()
         try:
             _, lost = await self._lease.attach()
