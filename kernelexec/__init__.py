@@ -68,14 +68,14 @@ if _typing.TYPE_CHECKING:
         Restored,
         ToolResult,
     )
-    from kernelexec._notebooks._replay import CellDifference, ReplayReport, areplay
+    from kernelexec._replay import CellDifference, ReplayReport, areplay
     from kernelexec._sync import KernelExecutor, Session, Snapshot, replay
     from kernelexec._tools._tool import Tool
 
 # Public names and the module each lives in, imported on first use (PEP 562), so that
 # `kernelexec --help` or `import kernelexec` does not pay for the whole library (1.4 s).
 _EXPORTS: dict[str, str] = {
-    "areplay": "kernelexec._notebooks._replay",
+    "areplay": "kernelexec._replay",
     "AsyncKernelExecutor": "kernelexec._core._executor",
     "AsyncSession": "kernelexec._core._session",
     "AsyncSessionCommands": "kernelexec._files._commands",
@@ -89,7 +89,7 @@ _EXPORTS: dict[str, str] = {
     "BranchError": "kernelexec._exceptions",
     "BranchingNotSupportedError": "kernelexec._exceptions",
     "BuiltEnv": "kernelexec._envs._builder",
-    "CellDifference": "kernelexec._notebooks._replay",
+    "CellDifference": "kernelexec._replay",
     "CheckpointTooLargeError": "kernelexec._exceptions",
     "CommandResult": "kernelexec._files._commands",
     "ConfigError": "kernelexec._exceptions",
@@ -122,7 +122,7 @@ _EXPORTS: dict[str, str] = {
     "PathRefusedError": "kernelexec._exceptions",
     "PoolExhaustedError": "kernelexec._exceptions",
     "replay": "kernelexec._sync",
-    "ReplayReport": "kernelexec._notebooks._replay",
+    "ReplayReport": "kernelexec._replay",
     "RequirementsMissingError": "kernelexec._exceptions",
     "Restored": "kernelexec._models",
     "Session": "kernelexec._sync",
@@ -161,14 +161,14 @@ except _metadata.PackageNotFoundError:  # a source tree that was never installed
 
 def load_ipython_extension(ipython: object) -> None:
     """``%load_ext kernelexec``: adds the ``%%tool`` and ``%tool_call`` magics."""
-    from kernelexec._notebooks._magics import load
+    from kernelexec._magics import load
 
     load(ipython)
 
 
 def unload_ipython_extension(ipython: object) -> None:
     """``%unload_ext kernelexec``: shuts the magics' sandbox kernel down."""
-    from kernelexec._notebooks._magics import unload
+    from kernelexec._magics import unload
 
     unload(ipython)
 

@@ -69,11 +69,14 @@ class Limits(BaseModel):
             which ipykernel needs).
         max_file_mb: Largest file a process may write, in MiB (``RLIMIT_FSIZE``: writing past
             it raises ``OSError`` "File too large"; it bounds one file, not the disk).
-        max_disk_mb: What the kernel may write to its private scratch space (``/tmp``,
-            ``/var/tmp`` and ``/dev/shm``, one size-capped tmpfs at ``"process"`` on a root
-            host, two at ``"bwrap"``), in MiB: writing past it fails with ``ENOSPC``. Needs a
-            mount namespace (``"bwrap"``, or ``"process"`` on a root host). See
-            ``docs/security.md`` for what it does not cover.
+        max_disk_mb: What the kernel may write to each of its writable places, in MiB:
+            its private scratch space (``/tmp``, ``/var/tmp`` and ``/dev/shm``, one
+            size-capped tmpfs at ``"process"`` on a root host, two at ``"bwrap"``) and, at
+            ``"process"`` on a root host, its own directory (``HOME``) and each session
+            directory it works in (a tmpfs each, copied back to the disk when the kernel
+            ends). Writing past it fails with ``ENOSPC``. Needs a mount namespace
+            (``"bwrap"``, or ``"process"`` on a root host). See ``docs/security.md`` for what
+            it does not cover.
     """
 
     model_config = ConfigDict(extra="forbid", frozen=True)

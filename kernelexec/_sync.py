@@ -28,7 +28,7 @@ from kernelexec._envs._builder import ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._files._blocking import SessionCommands, SessionFiles
 from kernelexec._models import Execution, Hibernation, Isolation, ToolResult
-from kernelexec._notebooks._replay import ReplayReport, areplay
+from kernelexec._replay import ReplayReport, areplay
 from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend
 

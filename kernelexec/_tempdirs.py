@@ -64,6 +64,46 @@ def make_owned_dir(prefix: str) -> str:
     return path
 
 
+def mount_points() -> list[tuple[str, str, str]]:
+    """This process's mounts as (mount point, file system type, source), from
+    ``/proc/self/mountinfo``; empty where that cannot be read."""
+    found: list[tuple[str, str, str]] = []
+    try:
+        with open("/proc/self/mountinfo") as fh:
+            lines = fh.read().splitlines()
+    except OSError:
+        return found
+    for line in lines:
+        fields = line.split()
+        if "-" not in fields[6:]:
+            continue
+        sep = fields.index("-", 6)
+        if len(fields) > sep + 2:
+            found.append((_unescape(fields[4]), fields[sep + 1], fields[sep + 2]))
+    return found
+
+
+def _unescape(field: str) -> str:
+    # mountinfo writes space, tab, newline and backslash as octal escapes.
+    for code, char in (("\\040", " "), ("\\011", "\t"), ("\\012", "\n"), ("\\134", "\\")):
+        field = field.replace(code, char)
+    return field
+
+
+def remove_tree(path: str) -> None:
+    """``shutil.rmtree`` that first detaches what is mounted at or under ``path`` (a capped
+    directory, :mod:`kernelexec._sandbox._disk`), which rmtree cannot remove."""
+    real = os.path.realpath(path)
+    below = [p for p, _, _ in mount_points() if p == real or p.startswith(real + "/")]
+    if below:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        for point in sorted(below, key=len, reverse=True):
+            libc.umount2(point.encode(), 2)  # MNT_DETACH
+    shutil.rmtree(path, ignore_errors=True)
+
+
 def sweep_stale(root: str | None = None) -> list[str]:
     """Remove kernelexec directories under ``root`` (default: the temp dir) whose owner process
     is gone. Directories without an owner file, or of other users, are left alone."""
@@ -86,7 +126,7 @@ def sweep_stale(root: str | None = None) -> list[str]:
             parts = Path(entry.path, OWNER_FILE).read_text().split()
             pid, start = int(parts[0]), (parts[1] if len(parts) > 1 else "")
             if not _alive(pid, start):
-                shutil.rmtree(entry.path, ignore_errors=True)
+                remove_tree(entry.path)
                 removed.append(entry.path)
     return removed
 

@@ -99,6 +99,7 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     before_dirs = our_temp_dirs()
     before = kernel_children()
     before_servers = fork_servers()
+    before_mounts = set(our_mounts())
     yield
     leaked = kernel_children() - before
     assert not leaked, f"kernel processes left running: {leaked}"
@@ -106,18 +107,29 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     assert not servers, f"fork servers left running: {servers}"
     new_dirs = our_temp_dirs() - before_dirs
     assert not new_dirs, f"temporary directories left behind: {new_dirs}"
+    mounts = set(our_mounts()) - before_mounts
+    assert not mounts, f"capped directories left mounted: {mounts}"
+
+
+def our_mounts() -> dict[str, str]:
+    """This process's capped-directory mounts (``kernelexec._sandbox._disk``)."""
+    from kernelexec._sandbox import _disk
+
+    mine = f"kx-work:{os.getpid()}:"
+    return {path: src for path, src in _disk.mounts().items() if src.startswith(mine)}
 
 
 @pytest.fixture(scope="module")
 def executor() -> Iterator[kx.KernelExecutor]:
     """One executor per test module; tests use distinct agent ids."""
     before, before_dirs = kernel_children(), our_temp_dirs()
-    before_servers = fork_servers()
+    before_servers, before_mounts = fork_servers(), set(our_mounts())
     with kx.KernelExecutor(default_timeout=30, max_kernels=8) as ex:
         yield ex
     assert not kernel_children() - before, "the shared executor left kernels running"
     assert not fork_servers() - before_servers, "the shared executor left fork servers running"
     assert not our_temp_dirs() - before_dirs, "the shared executor left temp dirs"
+    assert not set(our_mounts()) - before_mounts, "the shared executor left capped directories"
 
 
 @pytest.fixture

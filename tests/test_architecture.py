@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import pickle
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,6 +15,11 @@ from typing import Any
 
 import grimp
 import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pytest depends on tomli there
+    import tomli as tomllib
 
 import kernelexec as kx
 from kernelexec.backends import (
@@ -99,6 +105,50 @@ def test_layering_contracts_hold() -> None:
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "0 broken" in proc.stdout
+
+
+def _folders_split_across_heights(contract: dict[str, Any]) -> list[str]:
+    """The top-level parts a layers contract names by something other than themselves, once: a
+    module inside a folder, or the part at two heights. Empty when each part sits at one height."""
+    prefix = "".join(f"{c}." for c in contract.get("containers", []))
+    named: dict[str, list[str]] = {}
+    for layer in contract["layers"]:
+        for name in re.split(r"[|:]", layer):
+            full = prefix + name.strip()
+            named.setdefault(".".join(full.split(".")[:2]), []).append(full)
+    return sorted(part for part, names in named.items() if names != [part])
+
+
+def _layers_contracts() -> list[dict[str, Any]]:
+    root = Path(__file__).resolve().parent.parent
+    config = tomllib.loads((root / "pyproject.toml").read_text())
+    return [c for c in config["tool"]["importlinter"]["contracts"] if c["type"] == "layers"]
+
+
+def test_each_folder_sits_at_one_height_in_the_layering() -> None:
+    top = [c for c in _layers_contracts() if c.get("containers") in (None, ["kernelexec"])]
+    assert len(top) == 1
+    assert top[0].get("exhaustive") is True  # a new top-level part must be given its height
+    assert _folders_split_across_heights(top[0]) == []
+    # The order inside a folder is its own contract, naming only that folder's modules.
+    for inside in _layers_contracts():
+        if inside is not top[0]:
+            names = [n for layer in inside["layers"] for n in re.split(r"[|:]", layer)]
+            assert all("." not in name for name in names), inside["name"]
+
+
+def test_the_height_check_finds_a_split_folder() -> None:
+    split = {
+        "containers": ["kernelexec"],
+        "layers": ["_cli", "_files._blocking | _core", "_files._wire", "_json"],
+    }
+    assert _folders_split_across_heights(split) == ["kernelexec._files"]
+    twice = {"layers": ["kernelexec._cli", "kernelexec._notebooks", "kernelexec._notebooks"]}
+    assert _folders_split_across_heights(twice) == ["kernelexec._notebooks"]
+    inside = {"layers": ["kernelexec._sync", "kernelexec._notebooks._replay"]}
+    assert _folders_split_across_heights(inside) == ["kernelexec._notebooks"]
+    whole = {"layers": ["kernelexec._sync", "kernelexec._files | kernelexec._core"]}
+    assert _folders_split_across_heights(whole) == []
 
 
 def test_every_module_says_what_it_holds() -> None:

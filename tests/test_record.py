@@ -19,7 +19,7 @@ from nbclient import NotebookClient
 
 import kernelexec as kx
 from kernelexec._notebooks._io import call_source, safe_filename
-from kernelexec._notebooks._replay import output_lines
+from kernelexec._replay import output_lines
 from tests.conftest import kernels_matching, wait_exited
 
 TOOL_V1 = textwrap.dedent(

@@ -32,11 +32,12 @@ from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError
 from kernelexec._models import Execution, Isolation, ToolResult
 from kernelexec._notebooks._io import safe_filename
-from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import bootstrap_request
+from kernelexec._recording import SessionRecorder
+from kernelexec._sandbox import _disk
 from kernelexec._sandbox._build import BuildConfinement
-from kernelexec._tempdirs import make_owned_dir, sweep_once
+from kernelexec._tempdirs import make_owned_dir, remove_tree, sweep_once
 from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLaunch
 from kernelexec.backends._local import LocalBackend
@@ -230,6 +231,7 @@ class AsyncKernelExecutor:
             return
         cfg = self.config
         if self.backend.host_filesystem:
+            _disk.sweep_once()  # the capped directories of killed hosts, copied back
             sweep_once()  # what killed hosts left in the temp dir (once per process; quick)
             if cfg.workdir is None:
                 self._workdir = Path(make_owned_dir("kernelexec-"))
@@ -633,7 +635,7 @@ class AsyncKernelExecutor:
             if self._store is not None:
                 self._store.close()
             if self._own_workdir and isinstance(self._workdir, Path):
-                shutil.rmtree(self._workdir, ignore_errors=True)
+                remove_tree(str(self._workdir))
 
     async def _hibernate_all(self, sessions: list[AsyncSession]) -> None:
         """Save every session that has a kernel before the kernels go; a session busy now

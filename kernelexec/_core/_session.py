@@ -57,10 +57,10 @@ from kernelexec._models import (
     ToolResult,
     now_iso,
 )
-from kernelexec._notebooks._recording import SessionRecorder
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import CodeRun, ToolCall
+from kernelexec._recording import SessionRecorder
 from kernelexec._tools._tool import Tool
 
 if TYPE_CHECKING:

@@ -20,7 +20,7 @@ from typing import Any
 import psutil
 
 from kernelexec._exceptions import ConfigError, KernelStartError
-from kernelexec._sandbox import _bwrap, _cgroups, _mounts, _seccomp, _users
+from kernelexec._sandbox import _bwrap, _cgroups, _disk, _mounts, _seccomp, _users
 
 LEVELS = ("none", "process", "bwrap")
 
@@ -111,6 +111,13 @@ class SandboxPlan:
             # The private /tmp brings back what the kernel needs under /tmp itself.
             found = [(top, paths) for top, paths in found if not _under_tmp(top)]
         return found
+
+    def disk_cap_mb(self) -> int:
+        """The size of the tmpfs made for a kernel's own directory and for each working
+        directory it enters (:mod:`kernelexec._sandbox._disk`); 0 when there is none."""
+        if not self.scratch_mb or self.level != "process" or not self.own_user:
+            return 0
+        return self.scratch_mb if _disk.support() is None else 0
 
     def scratch(self, *handed: str | None) -> dict[str, Any] | None:
         """The launcher's private scratch space for a kernel given ``handed`` directories: the
@@ -274,12 +281,19 @@ def make_plan(
                     )
                 continue
             scratch_mb = int(value)
-            places = (
-                "/tmp, /var/tmp and /dev/shm: one tmpfs"
-                if level == "process"
-                else ("/tmp and /dev/shm: a tmpfs each")
-            )
-            text[name] = f"{shown} ({places}; not the session directory)"
+            if level == "bwrap":
+                places = "/tmp and /dev/shm: a tmpfs each; not the session directory"
+            elif _disk.support() is None:
+                places = (
+                    "/tmp, /var/tmp and /dev/shm: one tmpfs; HOME (the kernel's own directory) "
+                    "and each session directory it works in: a tmpfs each"
+                )
+            else:
+                places = (
+                    "/tmp, /var/tmp and /dev/shm: one tmpfs; not HOME or the session directory "
+                    f"({_disk.support()})"
+                )
+            text[name] = f"{shown} ({places})"
         elif explicit:
             raise ConfigError(
                 f"{name}={shown} cannot be enforced here: it needs a writable cgroup "
@@ -318,6 +332,11 @@ def make_plan(
                 f"; a private /tmp, /var/tmp and /dev/shm (one {scratch_mb} MiB tmpfs, gone "
                 "with the kernel)"
             )
+            if own_user and _disk.support() is None:
+                bounds["filesystem"] += (
+                    f"; its own directory and each working directory: a {scratch_mb} MiB tmpfs "
+                    "each (a working directory is copied back to the disk when the kernel ends)"
+                )
             env["TMPDIR"] = "/tmp"
         else:
             bounds["filesystem"] += "; the host's /tmp, /var/tmp and /dev/shm (shared)"

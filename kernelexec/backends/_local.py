@@ -23,7 +23,6 @@ import hmac
 import json
 import logging
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -41,11 +40,11 @@ from jupyter_client.manager import AsyncKernelManager
 
 from kernelexec import _proctitle
 from kernelexec._exceptions import ConfigError, KernelStartError
-from kernelexec._sandbox import _cgroups, _uids, _users
+from kernelexec._sandbox import _cgroups, _disk, _uids, _users
 from kernelexec._sandbox._bwrap import bwrap_argv
 from kernelexec._sandbox._launcher import launcher_argv, launcher_config
 from kernelexec._sandbox._plan import SandboxPlan, make_plan
-from kernelexec._tempdirs import make_owned_dir
+from kernelexec._tempdirs import make_owned_dir, remove_tree
 from kernelexec.backends import _hostlimits
 from kernelexec.backends._base import (
     KernelBackend,
@@ -378,6 +377,7 @@ class LocalConnection(KernelConnection):
                 self._uid = await asyncio.to_thread(_uids.allocate)
                 self._owns_uid = True
                 _users.hand_over(kdir, self._uid)
+                await self._cap(kdir)  # before the kernel's namespace: it sees the mount
                 if self._workdir:
                     _users.allow_search(self._workdir)
             env["HOME"] = kdir
@@ -771,7 +771,30 @@ class LocalConnection(KernelConnection):
             return
         os.makedirs(path, exist_ok=True)
         self._entered.add(path)
+        capped = await self._cap(path)
         await asyncio.to_thread(_users.hand_over, path, self._uid)
+        if capped:
+            pid = self.kernel_pid()
+            if pid is None:
+                raise KernelStartError("the kernel ended before it could enter its directory")
+            try:
+                await asyncio.to_thread(_disk.show_to, pid, path)
+            except (OSError, subprocess.SubprocessError) as exc:
+                raise KernelStartError(
+                    f"could not cap the working directory {path}: {exc}"
+                ) from None
+
+    async def _cap(self, path: str) -> bool:
+        """Make ``path`` a tmpfs of ``max_disk_mb`` for this kernel's user where the plan says
+        so (:mod:`kernelexec._sandbox._disk`); whether it did."""
+        size = self._plan.disk_cap_mb() if self._plan is not None else 0
+        if not size or self._uid is None:
+            return False
+        try:
+            await asyncio.to_thread(_disk.cap, path, size, self._uid)
+        except OSError as exc:
+            raise KernelStartError(f"could not cap the directory {path}: {exc}") from None
+        return True
 
     async def interrupt(self) -> None:
         km = self._km
@@ -855,6 +878,10 @@ class LocalConnection(KernelConnection):
         if uid is not None:
             for path in entered:
                 try:
+                    await asyncio.to_thread(_disk.uncap, path)
+                except Exception as exc:
+                    log.warning("copying %s back to the disk failed: %r", path, exc)
+                try:
                     await asyncio.to_thread(_users.hand_back, path, uid)
                 except Exception as exc:
                     log.warning("handing %s back failed: %r", path, exc)
@@ -911,14 +938,14 @@ at every later shutdown and when the backend is released."""
 
 
 def _remove_dir(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    remove_tree(path)
     if os.path.lexists(path):
         _LEFT_DIRS.add(path)
 
 
 def _remove_left_dirs() -> None:
     for path in list(_LEFT_DIRS):
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path)
         if not os.path.lexists(path):
             _LEFT_DIRS.discard(path)
 

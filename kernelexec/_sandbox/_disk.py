@@ -1,0 +1,459 @@
+"""A working directory with a size cap: ``max_disk_mb`` for what a kernel writes where it works.
+
+At ``"process"`` on a root host a kernel's ``/tmp``, ``/var/tmp`` and ``/dev/shm`` are one
+size-capped tmpfs in its own mount namespace (:mod:`kernelexec._sandbox._mounts`). Its session's
+working directory is a host directory the host reads and writes too (files, durable state,
+branches), so it cannot live in the kernel's namespace alone. While a kernel works in it, the
+directory is a tmpfs of ``max_disk_mb`` mounted on the host (:func:`cap`), and that mount is put
+into the kernel's namespace at the same path (:func:`show_to`: ``open_tree`` on the host,
+``setns`` into the kernel's namespace, ``move_mount``; kernels started ahead of need have their
+namespace before their session exists, and a mount made later on the host does not reach it).
+When the kernel ends, what it left is copied back to the host's disk and the tmpfs goes
+(:func:`uncap`): outside a live kernel the working directory is a plain directory again.
+
+A tmpfs is memory (then swap): the pages a kernel writes count against its ``memory_mb`` too.
+
+The copy back is of a tree a tenant made: it is walked through directory descriptors without
+following links; plain files are copied with their holes (a sparse file stays sparse), a file
+with several links is copied once and linked, links are recreated as links, anything else
+(FIFOs, sockets, devices) is left out. The tmpfs's inode cap bounds how many entries there are.
+
+Each mount's source names its host process (``kx-work:<pid>:<start>``): :func:`sweep` copies
+back and removes the mounts of hosts that were killed before they could.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import errno
+import fcntl
+import os
+import shutil
+import stat
+import subprocess
+import sys
+import tempfile
+import threading
+from functools import lru_cache
+
+from kernelexec._tempdirs import mount_points, process_start_time
+
+_MS_NOSUID, _MS_NODEV = 2, 4
+_MNT_DETACH = 2
+_SOURCE_PREFIX = "kx-work:"
+_INODES_PER_MB = 256  # one per 4 KiB written, on average: a cap on entries the copy back walks
+
+# The helper that shows host mounts to kernels: one process per host process, started on first
+# use, serving one request per line ("<pid>\t<path>") with "ok" or "error <why>". setns into
+# another mount namespace needs a single-threaded caller, and the helper comes back to its own
+# namespace after each request. It ends when the host does (its stdin closes). Root only.
+_HELPER = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(15, b"kx-disk-helper", 0, 0, 0)  # PR_SET_NAME: how ps and tests tell it apart
+OPEN_TREE, MOVE_MOUNT = 428, 429  # the same numbers on every architecture since Linux 5.2
+NEWNS = 0x00020000
+home = os.open("/proc/self/ns/mnt", os.O_RDONLY)
+
+def fail(what):
+    err = ctypes.get_errno()
+    raise OSError(err, what + ": " + os.strerror(err))
+
+def show(pid, path):
+    tree = libc.syscall(OPEN_TREE, -100, path.encode(), 1 | 0x80000 | 0x8000)
+    if tree < 0:
+        fail("open_tree " + path)
+    try:
+        ns = os.open("/proc/" + pid + "/ns/mnt", os.O_RDONLY)
+        try:
+            if libc.setns(ns, NEWNS) != 0:
+                fail("setns into the kernel's mount namespace")
+            try:
+                if libc.syscall(MOVE_MOUNT, tree, b"", -100, path.encode(), 4) != 0:
+                    fail("move_mount onto " + path)
+            finally:
+                if libc.setns(home, NEWNS) != 0:
+                    os._exit(3)  # cannot come back: let the host start another helper
+                os.chdir("/")
+        finally:
+            os.close(ns)
+    finally:
+        os.close(tree)
+
+for line in sys.stdin:
+    pid, _, path = line.rstrip("\n").partition("\t")
+    try:
+        show(pid, path)
+        sys.stdout.write("ok\n")
+    except Exception as exc:
+        sys.stdout.write("error " + str(exc).replace("\n", " ") + "\n")
+    sys.stdout.flush()
+"""
+
+_helper: subprocess.Popen[str] | None = None
+_helper_lock = threading.Lock()
+
+
+class DiskError(OSError):
+    """The working directory could not be capped or given back (the message says why)."""
+
+
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mount.argtypes = (
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_ulong,
+        ctypes.c_char_p,
+    )
+    libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+    return libc
+
+
+def _source() -> str:
+    pid = os.getpid()
+    return f"{_SOURCE_PREFIX}{pid}:{process_start_time(pid)}"
+
+
+def _mount(path: str, size_mb: int, uid: int) -> None:
+    options = (
+        f"size={size_mb}m,nr_inodes={max(4096, size_mb * _INODES_PER_MB)},"
+        f"mode=0700,uid={uid},gid={uid}"
+    )
+    libc = _libc()
+    if libc.mount(_source().encode(), path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
+                  options.encode()) != 0:  # fmt: skip
+        err = ctypes.get_errno()
+        raise DiskError(err, f"mounting a {size_mb} MiB tmpfs on {path}: {os.strerror(err)}")
+
+
+def _unmount(path: str) -> None:
+    if _libc().umount2(path.encode(), _MNT_DETACH) != 0:
+        err = ctypes.get_errno()
+        raise DiskError(err, f"unmounting {path}: {os.strerror(err)}")
+
+
+def mounts() -> dict[str, str]:
+    """The capped directories of this machine's kernelexec hosts: path -> source."""
+    return {
+        path: source
+        for path, kind, source in mount_points()
+        if kind == "tmpfs" and source.startswith(_SOURCE_PREFIX)
+    }
+
+
+def cap(path: str, size_mb: int, uid: int) -> None:
+    """Make the directory ``path`` a tmpfs of ``size_mb`` MiB owned by ``uid``, with what it
+    held moved in (nothing when it is one already).
+
+    Raises:
+        DiskError: the mount failed, or what the directory holds does not fit in ``size_mb``
+            (then the directory is left as it was).
+    """
+    path = os.path.realpath(path)
+    if path in mounts():
+        return
+    os.makedirs(path, exist_ok=True)
+    held = os.listdir(path)
+    aside = ""
+    if held:
+        aside = tempfile.mkdtemp(prefix=".kx-in-", dir=os.path.dirname(path))
+        os.rmdir(aside)
+        os.rename(path, aside)
+        os.mkdir(path, 0o700)
+    try:
+        _mount(path, size_mb, uid)
+    except BaseException:
+        if aside:
+            os.rmdir(path)
+            os.rename(aside, path)
+        raise
+    if not aside:
+        return
+    try:
+        copy_tree(aside, path)
+    except OSError as exc:
+        _unmount(path)
+        os.rmdir(path)
+        os.rename(aside, path)
+        if exc.errno == errno.ENOSPC:
+            raise DiskError(
+                errno.ENOSPC,
+                f"the working directory {path} holds more than max_disk_mb={size_mb} MiB",
+            ) from None
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def uncap(path: str) -> None:
+    """Copy what the tmpfs at ``path`` holds back onto the host's disk at ``path`` and remove
+    the mount (nothing when ``path`` is not capped)."""
+    path = os.path.realpath(path)
+    if path not in mounts():
+        return
+    out = tempfile.mkdtemp(prefix=".kx-out-", dir=os.path.dirname(path))
+    try:
+        copy_tree(path, out)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
+    _unmount(path)
+    with contextlib.suppress(OSError):  # emptied when it was capped; a stale mount may hide more
+        os.rmdir(path)
+    if os.path.lexists(path):
+        shutil.rmtree(path, ignore_errors=True)
+    os.rename(out, path)
+
+
+def show_to(pid: int, path: str) -> None:
+    """Put the host's mount at ``path`` into the mount namespace of process ``pid``, at the same
+    path (see the module's docstring); about a millisecond, through the helper process.
+
+    Raises:
+        DiskError: it did not work (the message has the helper's reason).
+    """
+    global _helper
+    request = f"{pid}\t{os.path.realpath(path)}\n"
+    with _helper_lock:
+        for _attempt in (1, 2):
+            helper = _helper
+            if helper is None or helper.poll() is not None:
+                helper = _helper = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", _HELPER],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                    cwd="/",
+                )
+            assert helper.stdin is not None and helper.stdout is not None
+            try:
+                helper.stdin.write(request)
+                helper.stdin.flush()
+                answer = helper.stdout.readline().strip()
+            except OSError:
+                answer = ""
+            if answer == "ok":
+                return
+            if answer:
+                raise DiskError(errno.EIO, f"giving the kernel its capped directory: {answer[6:]}")
+            _stop(helper)  # it died: once more with a new one
+            _helper = None
+    raise DiskError(errno.EIO, "giving the kernel its capped directory: the helper died")
+
+
+def _stop(helper: subprocess.Popen[str]) -> None:
+    """End the helper: its stdin closed, it returns (killed if it does not)."""
+    for pipe in (helper.stdin, helper.stdout):
+        with contextlib.suppress(OSError):
+            if pipe is not None:
+                pipe.close()
+    try:
+        helper.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        helper.kill()
+        helper.wait()
+
+
+@atexit.register
+def _stop_helper() -> None:
+    global _helper
+    with _helper_lock:
+        if _helper is not None:
+            _stop(_helper)
+            _helper = None
+
+
+_swept = False
+
+
+def sweep_once() -> list[str]:
+    """:func:`sweep` the first time it is called in this process (before the temp dir's own
+    sweep, which cannot remove a directory that is still a mount point)."""
+    global _swept
+    if _swept:
+        return []
+    _swept = True
+    return sweep()
+
+
+def sweep() -> list[str]:
+    """Copy back and remove the capped directories of hosts that are gone; one host at a time
+    (two hosts starting together would copy the same directory back twice)."""
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return []
+    lock = os.open(_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        return _sweep()
+    finally:
+        os.close(lock)
+
+
+_LOCK = os.path.join(
+    "/run" if os.path.isdir("/run") else tempfile.gettempdir(), "kernelexec-disk.lock"
+)
+
+
+def _sweep() -> list[str]:
+    done: list[str] = []
+    for path, source in mounts().items():
+        pid_text, _, start = source[len(_SOURCE_PREFIX) :].partition(":")
+        try:
+            pid = int(pid_text)
+        except ValueError:
+            continue
+        if _alive(pid, start):
+            continue
+        with contextlib.suppress(OSError):
+            uncap(path)
+            done.append(path)
+    return done
+
+
+def _alive(pid: int, start: str) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass
+    return not start or process_start_time(pid) in ("", start)
+
+
+@lru_cache(maxsize=1)
+def support() -> str | None:
+    """Whether capped working directories work on this host: None when they do, else why not.
+
+    Tried once per host process: a 1 MiB tmpfs is mounted on a temporary directory and shown
+    to a child in a mount namespace of its own, which must see the file written there.
+    """
+    if not hasattr(os, "geteuid") or os.geteuid() != 0:
+        return "the host is not root"
+    probe = tempfile.mkdtemp(prefix="kxdisk-")
+    target = os.path.join(probe, "w")
+    os.mkdir(target)
+    try:
+        _mount(target, 1, os.geteuid())
+        with open(os.path.join(target, "seen"), "w") as fh:
+            fh.write("yes")
+        with subprocess.Popen(
+            [sys.executable, "-I", "-S", "-c", _PROBE_CHILD, target],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.DEVNULL,
+            text=True,
+            cwd="/",
+        ) as child:
+            try:
+                assert child.stdout is not None
+                if child.stdout.readline().strip() != "ready":
+                    return "the probe could not take a mount namespace of its own"
+                show_to(child.pid, target)
+                seen, _ = child.communicate("go\n", timeout=30)
+            finally:
+                if child.poll() is None:
+                    child.kill()
+        if seen.strip() != "yes":
+            return f"the probe's namespace saw {seen.strip()!r}, not the host's mount"
+        return None
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"the probe failed: {exc}"
+    finally:
+        with contextlib.suppress(OSError):
+            _unmount(target)
+        shutil.rmtree(probe, ignore_errors=True)
+
+
+_PROBE_CHILD = r"""
+import ctypes, os, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.mount.argtypes = (ctypes.c_char_p,) * 3 + (ctypes.c_ulong, ctypes.c_char_p)
+if libc.unshare(0x00020000) != 0 or libc.mount(b"none", b"/", None, 16384 | (1 << 18), None):
+    sys.exit(1)
+libc.umount2(sys.argv[1].encode(), 2)  # the namespace must not see the host's mount by itself
+print("ready", flush=True)
+sys.stdin.readline()
+try:
+    print(open(os.path.join(sys.argv[1], "seen")).read())
+except OSError:
+    print("nothing")
+"""
+
+
+def copy_tree(src: str, dst: str) -> list[str]:
+    """Copy the tree at ``src`` into the existing directory ``dst`` as described in the
+    module's docstring; the paths left out (relative to ``src``)."""
+    skipped: list[str] = []
+    linked: dict[tuple[int, int], str] = {}
+    top = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    stack = [(top, dst, "")]
+    try:
+        while stack:
+            dirfd, target, rel = stack.pop()
+            try:
+                with os.scandir(dirfd) as entries:
+                    listed = list(entries)
+                for entry in listed:
+                    name = entry.name
+                    st = entry.stat(follow_symlinks=False)
+                    here = os.path.join(target, name)
+                    if stat.S_ISDIR(st.st_mode):
+                        fd = os.open(
+                            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd
+                        )
+                        os.mkdir(here, stat.S_IMODE(st.st_mode) & 0o777 | 0o700)
+                        stack.append((fd, here, os.path.join(rel, name)))
+                    elif stat.S_ISLNK(st.st_mode):
+                        os.symlink(os.readlink(name, dir_fd=dirfd), here)
+                    elif stat.S_ISREG(st.st_mode):
+                        key = (st.st_dev, st.st_ino)
+                        if st.st_nlink > 1 and key in linked:
+                            os.link(linked[key], here)
+                            continue
+                        _copy_file(dirfd, name, here)
+                        if st.st_nlink > 1:
+                            linked[key] = here
+                    else:
+                        skipped.append(os.path.join(rel, name))
+            finally:
+                os.close(dirfd)
+    finally:
+        for fd, _, _ in stack:
+            os.close(fd)
+    return skipped
+
+
+def _copy_file(dirfd: int, name: str, dest: str) -> None:
+    """Copy one plain file, holes kept (its data only is read and written)."""
+    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dirfd)
+    try:
+        st = os.fstat(src)
+        if not stat.S_ISREG(st.st_mode):  # swapped since it was listed
+            return
+        out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IMODE(st.st_mode) & 0o777)
+        try:
+            offset = 0
+            while offset < st.st_size:
+                try:
+                    start = os.lseek(src, offset, os.SEEK_DATA)
+                except OSError as exc:
+                    if exc.errno == errno.ENXIO:  # only a hole is left
+                        break
+                    raise
+                end = os.lseek(src, start, os.SEEK_HOLE)
+                while start < end:
+                    chunk = os.pread(src, min(1 << 20, end - start), start)
+                    if not chunk:
+                        break
+                    os.pwrite(out, chunk, start)
+                    start += len(chunk)
+                offset = end
+            os.ftruncate(out, st.st_size)
+        finally:
+            os.close(out)
+    finally:
+        os.close(src)

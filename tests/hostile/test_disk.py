@@ -1,0 +1,164 @@
+"""Hostile: ``max_disk_mb`` bounds what a kernel writes where it works, not only its scratch.
+
+Seen before the fix: with ``max_file_mb=20`` a tenant wrote 600 MB to the temp dir and to its
+working directory; with the private ``/tmp`` capped, the working directory and ``HOME`` (the
+kernel's own directory) still took anything. Now each is a tmpfs of ``max_disk_mb`` on a root
+host at ``"process"``, and what a working directory holds is copied back to the disk, holes,
+links and all, without following what a tenant planted.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import psutil
+import pytest
+
+import kernelexec as kx
+from kernelexec._sandbox import _disk
+from kernelexec._tempdirs import sweep_stale
+from tests.hostile.conftest import needs_root
+
+pytestmark = [
+    needs_root,
+    pytest.mark.skipif(
+        os.name != "posix" or _disk.support() is not None,
+        reason=f"capped directories do not work here: {_disk.support()}",
+    ),
+]
+
+FILL = r"""
+import errno, os
+def fill(path, mb):
+    try:
+        with open(path, 'wb') as fh:
+            for _ in range(mb):
+                fh.write(b'x' * (1 << 20))
+        return 'fit'
+    except OSError as exc:
+        return errno.errorcode[exc.errno]
+"""
+
+
+def test_working_directory_and_home_are_capped_and_kept_across_restarts() -> None:
+    with kx.KernelExecutor(limits=kx.Limits(max_disk_mb=32)) as ex:
+        s = ex.session("disk")
+        assert "each session directory it works in" in s.isolation.limits["max_disk_mb"]
+        r = s.run_code(
+            FILL + "kept = 'x'\n"
+            "(fill('small', 4), fill('big', 64), fill(os.path.expanduser('~/big'), 64),"
+            " os.getcwd())"
+        )
+        assert r.ok, r.error
+        small, big, home, cwd = eval(r.result)
+        assert (small, big, home) == ("fit", "ENOSPC", "ENOSPC")
+        # The host sees what the kernel wrote, where it expects it.
+        assert Path(cwd, "small").stat().st_size == 4 << 20
+        s.restart()
+        again = s.run_code("import os\n(os.path.getsize('small'), 'kept' in globals())")
+        assert again.result == f"({4 << 20}, False)", again
+        mounts = [p for p in _disk.mounts() if p == os.path.realpath(cwd)]
+        assert mounts, "the working directory is not a capped mount while the kernel works in it"
+    # Gone with the kernel, and the files are back on the disk until the executor removes them.
+    assert os.path.realpath(cwd) not in _disk.mounts()
+
+
+def test_what_the_directory_held_is_moved_in_and_too_much_is_a_clear_error(
+    tmp_path: Path,
+) -> None:
+    # A working directory is not empty when a kernel enters it after a restart or a restore.
+    some, full = tmp_path / "some", tmp_path / "full"
+    some.mkdir()
+    (some / "note.txt").write_text("kept")
+    full.mkdir()
+    (full / "data").write_bytes(b"y" * (40 << 20))
+    uid = 2_000_000_000 - 7  # any uid: nothing runs as it here
+    _disk.cap(str(some), 32, uid)
+    try:
+        assert str(some) in _disk.mounts()
+        assert (some / "note.txt").read_text() == "kept"
+        assert some.stat().st_uid == uid
+        assert not [p for p in tmp_path.iterdir() if p.name.startswith(".kx-")]
+    finally:
+        _disk.uncap(str(some))
+    assert (some / "note.txt").read_text() == "kept"
+    with pytest.raises(_disk.DiskError, match=r"holds more than max_disk_mb=32 MiB"):
+        _disk.cap(str(full), 32, uid)
+    assert str(full) not in _disk.mounts()
+    assert (full / "data").stat().st_size == 40 << 20  # left as it was
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "some"]
+
+
+def test_copy_back_keeps_holes_and_links_and_follows_nothing(tmp_path: Path) -> None:
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    dst.mkdir()
+    with open(src / "sparse", "wb") as fh:  # 1 TiB apparent, 4 KiB of data
+        fh.seek(1 << 40)
+        fh.write(b"end")
+    (src / "one").write_bytes(b"z" * (1 << 20))
+    for n in range(50):
+        os.link(src / "one", src / f"link{n}")
+    os.symlink("/etc/shadow", src / "secret")
+    os.mkfifo(src / "fifo")
+    deep = src
+    for n in range(200):
+        deep = deep / f"d{n}"
+    deep.mkdir(parents=True)
+    (deep / "leaf").write_text("deep")
+    skipped = _disk.copy_tree(str(src), str(dst))
+    assert skipped == ["fifo"]
+    st = (dst / "sparse").stat()
+    assert st.st_size == (1 << 40) + 3 and st.st_blocks * 512 < (1 << 20)
+    with open(dst / "sparse", "rb") as fh:
+        assert fh.read(3) == b"\0\0\0"
+        fh.seek(1 << 40)
+        assert fh.read() == b"end"
+    assert (
+        os.stat(dst / "one").st_nlink == 51
+        and os.stat(dst / "link7").st_ino == os.stat(dst / "one").st_ino
+    )
+    assert os.readlink(dst / "secret") == "/etc/shadow"
+    assert (dst / deep.relative_to(src) / "leaf").read_text() == "deep"
+
+
+KILLED_HOST = textwrap.dedent(
+    """
+    import sys, kernelexec as kx
+    ex = kx.KernelExecutor(workdir=sys.argv[1], limits=kx.Limits(max_disk_mb=32))
+    s = ex.session("victim")
+    r = s.run_code("open('result.txt', 'w').write('made before the host died')")
+    assert r.ok, r.error
+    print(s.workdir, flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+@pytest.mark.slow
+def test_a_killed_hosts_capped_directory_is_copied_back_and_unmounted(tmp_path: Path) -> None:
+    workdir = tmp_path / "sessions"
+    workdir.mkdir()
+    with subprocess.Popen(
+        [sys.executable, "-c", KILLED_HOST, str(workdir)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    ) as host:
+        assert host.stdout is not None
+        where = os.path.realpath(host.stdout.readline().strip())
+        assert where in _disk.mounts()
+        family = psutil.Process(host.pid).children(recursive=True)
+        host.send_signal(signal.SIGKILL)
+        host.wait()
+    _, alive = psutil.wait_procs(family, timeout=60)  # its kernels die with it (PDEATHSIG)
+    assert not alive
+    _disk.sweep()  # (another test process's executor may have swept it already)
+    assert not [p for p, src in _disk.mounts().items() if src.startswith(f"kx-work:{host.pid}:")]
+    assert Path(where, "result.txt").read_text() == "made before the host died"
+    sweep_stale()  # what the next executor does: the killed host's own directories go
