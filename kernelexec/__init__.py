@@ -12,7 +12,7 @@ from importlib import metadata as _metadata
 
 if _typing.TYPE_CHECKING:
     from kernelexec._branching._family import AsyncSnapshot
-    from kernelexec._config import ExecutorConfig
+    from kernelexec._config import ExecutorConfig, ExecutorOptions
     from kernelexec._core._executor import AsyncKernelExecutor
     from kernelexec._core._session import AsyncSession
     from kernelexec._envs._builder import BuiltEnv, EnvBuilder, EnvProgress
@@ -103,6 +103,7 @@ _EXPORTS: dict[str, str] = {
     "ExecutionTimeout": "kernelexec._exceptions",
     "ExecutorClosedError": "kernelexec._exceptions",
     "ExecutorConfig": "kernelexec._config",
+    "ExecutorOptions": "kernelexec._config",
     "FileInfo": "kernelexec._files._wire",
     "FileReader": "kernelexec._files._session",
     "FileTransferError": "kernelexec._exceptions",
@@ -201,6 +202,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "ExecutionTimeout",
     "ExecutorClosedError",
     "ExecutorConfig",
+    "ExecutorOptions",
     "FileInfo",
     "FileReader",
     "FileTransferError",

@@ -1,16 +1,20 @@
-"""Awaiting work that must end even when its caller is cancelled (stopping code, shutdowns).
+"""Event-loop helpers: awaiting work that must end even when its caller is cancelled (stopping
+code, shutdowns), and :class:`LoopThread`, the loop on a thread of its own that code outside a
+loop hands its coroutines to.
 
-``asyncio.shield`` alone does not do it: the shielded work goes on, but the caller returns at
-once, and under anyio's task groups a cancelled caller is cancelled again at every later await,
-so work that was meant to finish first (deleting a gateway kernel, replacing a stuck one) is
-left running on its own, or never finishes.
+``asyncio.shield`` alone does not finish such work: the shielded work goes on, but the caller
+returns at once, and under anyio's task groups a cancelled caller is cancelled again at every
+later await, so work that was meant to finish first (deleting a gateway kernel, replacing a
+stuck one) is left running on its own, or never finishes.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
-from typing import TypeVar
+import concurrent.futures
+import threading
+from collections.abc import Awaitable, Callable, Coroutine
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 
@@ -43,3 +47,117 @@ async def finish_then_cancel(work: Awaitable[T]) -> T:
     if cancelled:
         raise asyncio.CancelledError
     return result
+
+
+def call_blocking(loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work`` on ``loop`` (running in another thread) and wait for its result.
+
+    When the wait ends early (Ctrl-C in the waiting thread), ``work`` is cancelled on its loop.
+    ``work`` runs in a copy of the caller's context (``call_soon_threadsafe`` copies it), so
+    the caller's OpenTelemetry span is its parent.
+    """
+    future = _submit(work, loop)
+    try:
+        return future.result()
+    except BaseException:
+        future.cancel()
+        raise
+
+
+async def await_on(loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, T]) -> T:
+    """Run ``work`` on ``loop`` (running in another thread) and await it from the caller's own
+    loop; cancelling the caller cancels ``work`` there."""
+    return await asyncio.wrap_future(_submit(work, loop))
+
+
+def _submit(
+    work: Coroutine[Any, Any, T], loop: asyncio.AbstractEventLoop
+) -> concurrent.futures.Future[T]:
+    try:
+        return asyncio.run_coroutine_threadsafe(work, loop)
+    except BaseException:  # the loop is closed: ``work`` will never run
+        work.close()
+        raise
+
+
+class LoopThread:
+    """An event loop on a daemon thread of its own, for code that is not on that loop.
+
+    The blocking facade and Letta's process-wide executor each own one (the framework adapters
+    reach the facade's through :func:`call_blocking` and :func:`await_on`). It runs as
+    ``asyncio.run`` does: when :meth:`stop` ends it, the calls still running are cancelled,
+    async generators and the default executor's threads are shut down, and the loop is
+    closed. Daemon: a host that never stops it can still exit (a ``weakref.finalize`` of the
+    owner stops it at exit, the loop still running).
+
+    Args:
+        name: The thread's name (what a debugger or ``py-spy`` shows).
+    """
+
+    def __init__(self, name: str) -> None:
+        self._started = threading.Event()
+        self._lock = threading.Lock()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._done: asyncio.Future[None] | None = None
+        self._stopped = False
+        self._thread = threading.Thread(target=self._main, name=name, daemon=True)
+        self._thread.start()
+        self._started.wait()
+        if self._loop is None:  # asyncio.run itself failed (nothing else can fail there)
+            self._thread.join()
+            raise RuntimeError(f"the event loop of thread {name!r} did not start")
+
+    def _main(self) -> None:
+        try:
+            asyncio.run(self._serve())
+        finally:
+            self._started.set()
+
+    async def _serve(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._done = self._loop.create_future()
+        self._started.set()
+        await self._done
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The running loop (closed once :meth:`stop` returned)."""
+        assert self._loop is not None
+        return self._loop
+
+    @property
+    def stopped(self) -> bool:
+        """Whether :meth:`stop` was called."""
+        return self._stopped
+
+    def is_current(self) -> bool:
+        """Whether the calling thread is the loop's own (where a blocking call would hang)."""
+        return threading.get_ident() == self._thread.ident
+
+    def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on the loop and wait for its result; see
+        :func:`call_blocking`. Not from the loop's own thread (see :meth:`is_current`)."""
+        return call_blocking(self.loop, fn(*args, **kwargs))
+
+    async def run(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
+        """Run ``fn(*args, **kwargs)`` on the loop and await it from another loop; see
+        :func:`await_on`."""
+        return await await_on(self.loop, fn(*args, **kwargs))
+
+    def stop(self) -> None:
+        """End the loop as ``asyncio.run`` ends (cancelling what still runs on it) and wait for
+        the thread. Idempotent; from the loop's own thread it does not wait."""
+        with self._lock:
+            if self._stopped:
+                return
+            self._stopped = True
+        done, loop = self._done, self.loop
+        assert done is not None
+        loop.call_soon_threadsafe(_resolve, done)
+        if not self.is_current():
+            self._thread.join()
+
+
+def _resolve(done: asyncio.Future[None]) -> None:
+    if not done.done():
+        done.set_result(None)

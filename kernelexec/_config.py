@@ -1,10 +1,13 @@
-"""Executor configuration, validated once at construction."""
+"""Executor configuration, validated once at construction, and its fields as typed keyword
+arguments of the executors' constructors."""
 
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 from pydantic import (
     BaseModel,
@@ -16,9 +19,10 @@ from pydantic import (
     model_validator,
 )
 
-from kernelexec._envs._envs import Env, LocalEnv
+from kernelexec._envs._envs import Env, LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError, describe_problems
 from kernelexec._models import DEFAULT_ENV_ALLOWLIST, Limits
+from kernelexec._public import public
 
 
 def valid_timeout(value: Any, what: str = "timeout", *, zero: bool = False) -> float:
@@ -185,3 +189,43 @@ def make_config(**kwargs: object) -> ExecutorConfig:
     except ValidationError as exc:
         problems = describe_problems(exc.errors(), default="config")
         raise ConfigError(f"invalid executor configuration: {problems}") from None
+
+
+class ExecutorOptions(TypedDict, total=False):
+    """The :class:`ExecutorConfig` fields as keyword arguments of an executor's constructor,
+    typed as callers may pass them (paths as ``str`` too), so that a type checker or an editor
+    flags a misspelt or mistyped setting before it runs. Their meaning and defaults are
+    documented on :class:`ExecutorConfig`, which validates them (and raises
+    :class:`~kernelexec.ConfigError` for a bad one at run time)."""
+
+    env_vars: Mapping[str, str]
+    env_allowlist: Sequence[str]
+    default_timeout: float
+    interrupt_grace: float
+    output_grace: float
+    start_timeout: float
+    max_kernels: int
+    prewarm: int
+    idle_timeout: float | None
+    max_output_chars: int
+    max_result_chars: int
+    max_host_calls: int
+    workdir: str | os.PathLike[str] | None
+    record: bool
+    env: LocalEnv | VenvEnv
+    cache_dir: str | os.PathLike[str] | None
+    installer: Literal["auto", "uv", "pip"]
+    record_dir: str | os.PathLike[str] | None
+    isolation: Literal["none", "process", "bwrap"] | None
+    limits: Limits | None
+    memory_budget_mb: int | None
+    network: bool | None
+    attachable: bool
+    fast_calls: bool
+    state_dir: str | os.PathLike[str] | None
+    checkpoint: Literal["on_evict", "after_call"]
+    max_checkpoint_bytes: int
+    setup_code: str | None
+
+
+public(ExecutorConfig, ExecutorOptions)

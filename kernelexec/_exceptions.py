@@ -38,6 +38,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from kernelexec._public import public
+
 if TYPE_CHECKING:
     from kernelexec._models import Execution
 
@@ -218,3 +220,29 @@ def describe_problems(errors: Iterable[Mapping[str, Any]], default: str = "value
         cause = (error.get("ctx") or {}).get("error")
         parts.append(f"{where}: {cause if cause is not None else error.get('msg')}")
     return "; ".join(parts)
+
+
+public(
+    BackgroundTaskError,
+    BranchError,
+    BranchingNotSupportedError,
+    CheckpointTooLargeError,
+    ConfigError,
+    EnvSetupError,
+    ExecutionError,
+    ExecutionTimeout,
+    ExecutorClosedError,
+    FileTransferError,
+    HostLimitError,
+    KernelExecError,
+    KernelStartError,
+    NotebookError,
+    PathRefusedError,
+    PoolExhaustedError,
+    RequirementsMissingError,
+    SessionFileError,
+    SetupCodeError,
+    StateError,
+    ToolDefinitionError,
+    ToolSchemaWarning,
+)

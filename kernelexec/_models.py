@@ -18,6 +18,7 @@ from kernelexec._exceptions import (
     ExecutionTimeout,
     describe_problems,
 )
+from kernelexec._public import public
 from kernelexec._tools._tool import Tool
 
 ErrorKind = Literal[
@@ -402,3 +403,17 @@ class RunRecord(BaseModel):
     timeout_s: float
     kernel_generation: int = 0
     language_info: dict[str, Any] | None = None
+
+
+public(
+    ExecError,
+    Execution,
+    HibernatedAgent,
+    Hibernation,
+    HostCall,
+    HostCallContext,
+    Isolation,
+    Limits,
+    Restored,
+    ToolResult,
+)

@@ -17,6 +17,7 @@ from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._envs._envs import VenvEnv
 from kernelexec._exceptions import ConfigError, NotebookError
 from kernelexec._notebooks._io import KEY, read_notebook
+from kernelexec._public import public
 
 _VOLATILE = [
     (re.compile(r"0x[0-9a-fA-F]{4,}"), "0x…"),
@@ -252,3 +253,6 @@ async def areplay(
                 )
             )
     return report
+
+
+public(areplay, CellDifference, ReplayReport)

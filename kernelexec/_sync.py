@@ -1,7 +1,7 @@
 """The blocking facade: ``KernelExecutor`` and ``Session`` over the async core.
 
-One background thread runs an event loop (an anyio ``BlockingPortal``) owned by the
-``KernelExecutor``; every blocking method is one call into it. All kernel lifecycle work
+One background thread runs an event loop (a :class:`~kernelexec._aio.LoopThread`) owned by
+the ``KernelExecutor``; every blocking method is one call into it. All kernel lifecycle work
 therefore happens on that single long-lived thread, and the facade also works where a loop is
 already running in the calling thread (inside Jupyter).
 """
@@ -9,17 +9,18 @@ already running in the calling thread (inside Jupyter).
 from __future__ import annotations
 
 import asyncio
-import threading
+import sys
 import weakref
 from collections.abc import Callable, Coroutine
-from contextlib import AbstractContextManager
-from pathlib import Path
+from pathlib import Path, PurePath
 from typing import Any, TypeVar
 
-from anyio.from_thread import BlockingPortal, start_blocking_portal
+from nbformat import NotebookNode
 
+from kernelexec._aio import LoopThread
 from kernelexec._branching._family import AsyncSnapshot
 from kernelexec._codemode._exposure import HostFunctions
+from kernelexec._config import ExecutorConfig, ExecutorOptions
 from kernelexec._core._executor import DEFAULT_AGENT, AsyncKernelExecutor
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._session import AsyncSession
@@ -28,51 +29,63 @@ from kernelexec._envs._builder import ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._files._blocking import SessionCommands, SessionFiles
 from kernelexec._models import Execution, Hibernation, Isolation, ToolResult
+from kernelexec._public import public
 from kernelexec._replay import ReplayReport, areplay
 from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend
+
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pydantic's own dependency
+    from typing_extensions import Unpack
 
 T = TypeVar("T")
 
 
 class _Portal:
-    """A started blocking portal and how to stop it."""
+    """The executor's loop thread and whether the executor is open: every blocking method is
+    one :meth:`call` through it."""
 
     def __init__(self) -> None:
-        self._cm: AbstractContextManager[BlockingPortal] = start_blocking_portal("asyncio")
-        self.portal = self._cm.__enter__()
-        self._state = Lifecycle("the executor", opened=True)
-        self._loop, self._thread = self.portal.call(_loop_and_thread)
+        self.thread = LoopThread("kernelexec")
+        self.state = Lifecycle("the executor", opened=True)
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop:
+        """The loop every call runs on."""
+        return self.thread.loop
 
     def call(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any, **kwargs: Any) -> T:
         """Run ``fn(*args, **kwargs)`` on the loop thread and wait for its result.
 
-        Straight onto the loop (``run_coroutine_threadsafe``): the portal's own ``call`` spawns
-        a task in its task group and takes twice as long (57 vs 24 us per call here). The task
-        runs in a copy of the caller's context (``call_soon_threadsafe`` copies it), so the
-        caller's current OpenTelemetry span is the call's parent. When the caller stops
-        waiting (Ctrl-C), the call is cancelled, which interrupts its kernel.
+        Straight onto the loop (``run_coroutine_threadsafe``): an anyio portal's ``call``
+        spawns a task in its task group and takes twice as long (57 vs 24 us per call here).
+        The task runs in a copy of the caller's context, so the caller's current OpenTelemetry
+        span is the call's parent. When the caller stops waiting (Ctrl-C), the call is
+        cancelled, which interrupts its kernel.
         """
-        self._state.check()
-        if threading.get_ident() == self._thread:
+        self.state.check()
+        if self.thread.is_current():
             raise RuntimeError(
                 "a blocking kernelexec method was called from the executor's own event-loop "
                 "thread (e.g. inside an on_stdout callback); use the async API there"
             )
-        future = asyncio.run_coroutine_threadsafe(fn(*args, **kwargs), self._loop)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()
-            raise
+        return self.thread.call(fn, *args, **kwargs)
 
     def stop(self) -> None:
-        if self._state.close():
-            self._cm.__exit__(None, None, None)
+        if self.state.close():
+            self.thread.stop()
 
 
-async def _loop_and_thread() -> tuple[asyncio.AbstractEventLoop, int]:
-    return asyncio.get_running_loop(), threading.get_ident()
+def async_side(executor: KernelExecutor) -> tuple[AsyncKernelExecutor, asyncio.AbstractEventLoop]:
+    """The async executor behind ``executor`` and the loop its calls run on, for code that
+    drives it from either side (the framework adapters).
+
+    Raises:
+        ExecutorClosedError: ``executor`` is closed (its loop is gone).
+    """
+    executor._portal.state.check()
+    return executor._async, executor._portal.loop
 
 
 def _shutdown(portal: _Portal, executor: AsyncKernelExecutor) -> None:
@@ -127,7 +140,7 @@ class Session:
         return self._inner.agent_id
 
     @property
-    def workdir(self) -> Any:
+    def workdir(self) -> PurePath:
         """The session's working directory (a ``pathlib.Path`` for backends that share the
         host's filesystem, else a ``PurePosixPath`` on the kernel's side)."""
         return self._inner.workdir
@@ -139,12 +152,12 @@ class Session:
         return self._inner.isolation
 
     @property
-    def notebook(self) -> Any:
+    def notebook(self) -> NotebookNode | None:
         """The session's recording (an nbformat ``NotebookNode``), or None when not recording."""
         return self._inner.notebook
 
     @property
-    def record_path(self) -> Any:
+    def record_path(self) -> Path | None:
         """The file the recording is saved to after every run (a ``Path``), or None."""
         return self._inner.record_path
 
@@ -250,7 +263,7 @@ class KernelExecutor:
         backend: KernelBackend | str | None = None,
         backend_options: dict[str, Any] | None = None,
         on_progress: ProgressCallback | None = None,
-        **config: Any,
+        **config: Unpack[ExecutorOptions],
     ) -> None:
         self._async = AsyncKernelExecutor(
             backend=backend, backend_options=backend_options, on_progress=on_progress, **config
@@ -263,7 +276,7 @@ class KernelExecutor:
         self._finalizer = weakref.finalize(self, _shutdown, self._portal, self._async)
 
     @property
-    def config(self) -> Any:
+    def config(self) -> ExecutorConfig:
         """The validated :class:`~kernelexec.ExecutorConfig`."""
         return self._async.config
 
@@ -294,7 +307,9 @@ class KernelExecutor:
         """The open sessions of the default environment by agent id (a copy)."""
         return {agent: self._wrap(inner) for agent, inner in self._async.sessions.items()}
 
-    def env_for(self, tool: Tool | None, env: LocalEnv | VenvEnv | None = None) -> Any:
+    def env_for(
+        self, tool: Tool | None, env: LocalEnv | VenvEnv | None = None
+    ) -> LocalEnv | VenvEnv:
         """The environment a call runs in; see :meth:`AsyncKernelExecutor.env_for`."""
         return self._async.env_for(tool, env)
 
@@ -397,3 +412,6 @@ def replay(path: str | Path, **kwargs: Any) -> ReplayReport:
         return portal.call(areplay, path, **kwargs)
     finally:
         portal.stop()
+
+
+public(KernelExecutor, replay, Session, Snapshot)

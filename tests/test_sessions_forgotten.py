@@ -47,7 +47,7 @@ def test_the_sync_facade_forgets_closed_sessions_too() -> None:
 def test_evicted_sessions_nobody_holds_are_forgotten_and_say_what_was_lost() -> None:
     with kx.KernelExecutor(max_kernels=1) as ex:
         ex.run_code("va = 1", agent_id="a")
-        ref = weakref.ref(ex._async._sessions[("a", ex.fingerprint)])
+        ref = weakref.ref(ex._async.sessions["a"])
         ex.run_code("vb = 1", agent_id="b")  # evicts a's kernel
         gc.collect()
         assert ref() is None, "the executor still holds the evicted session"

@@ -24,6 +24,7 @@ from kernelexec._branching import _process
 from kernelexec._branching._connection import BranchConnection
 from kernelexec._branching._process import Template
 from kernelexec._exceptions import BranchError, BranchingNotSupportedError, ExecutorClosedError
+from kernelexec._public import public
 from kernelexec._sandbox import _users
 from kernelexec.backends._base import KernelConnection
 from kernelexec.backends._local import LocalConnection
@@ -296,3 +297,6 @@ def _remove(path: str) -> None:
     import shutil
 
     shutil.rmtree(path, ignore_errors=True)
+
+
+public(AsyncSnapshot)

@@ -118,6 +118,7 @@ def run_demo(calls: int = 200, record_dir: str = "kernelexec-demo") -> int:
         _show("run_code: len(orders) after timeout", agent.run_code("len(orders)"))
         _show("top_regions(k=4)", agent.call_tool(tools["top_regions"], {"k": 4}))
         notebook = agent.record_path
+        assert notebook is not None  # the executor records into record_dir
     _say(f"\nrecorded the session as a notebook: {notebook}")
     _say(f"  open it in Jupyter, or re-run it: kernelexec replay {notebook}")
     with display.step("replaying the recording in a fresh kernel"):

@@ -7,20 +7,20 @@ import asyncio
 import logging
 import os
 import shutil
-import weakref
-from collections import OrderedDict
+import sys
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from kernelexec._branching._family import Brancher
 from kernelexec._codemode._exposure import HostFunctions
-from kernelexec._config import ExecutorConfig, make_config
+from kernelexec._config import ExecutorConfig, ExecutorOptions, make_config
 from kernelexec._core._attach import SessionRegistration
 from kernelexec._core._budget import KernelBudget
 from kernelexec._core._forking import SessionBranches
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._pool import KernelPool
+from kernelexec._core._registry import KnownSessions
 from kernelexec._core._session import AsyncSession
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
@@ -34,6 +34,7 @@ from kernelexec._models import Execution, Isolation, ToolResult
 from kernelexec._notebooks._io import safe_filename
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import bootstrap_request
+from kernelexec._public import public
 from kernelexec._recording import SessionRecorder
 from kernelexec._sandbox import _disk
 from kernelexec._sandbox._build import BuildConfinement
@@ -43,10 +44,14 @@ from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLau
 from kernelexec.backends._local import LocalBackend
 from kernelexec.backends._registry import get_backend
 
+if sys.version_info >= (3, 11):
+    from typing import Unpack
+else:  # pydantic's own dependency
+    from typing_extensions import Unpack
+
 log = logging.getLogger("kernelexec")
 
 DEFAULT_AGENT = "default"
-_MAX_REMEMBERED_LOSSES = 1_024
 
 Env = LocalEnv | VenvEnv
 
@@ -73,7 +78,8 @@ class AsyncKernelExecutor:
         backend_options: Keyword arguments for a backend given by name.
         on_progress: Called with :class:`~kernelexec.EnvProgress` events while venvs build.
         **config: Fields of :class:`~kernelexec.ExecutorConfig` (``env_vars``,
-            ``default_timeout``, ``max_kernels``, ``prewarm``, ``idle_timeout``, ...).
+            ``default_timeout``, ``max_kernels``, ``prewarm``, ``idle_timeout``, ...), typed
+            as :class:`~kernelexec.ExecutorOptions` so a type checker catches a misspelt one.
 
     Raises:
         ConfigError: a configuration value is invalid, or the backend cannot run the
@@ -88,7 +94,7 @@ class AsyncKernelExecutor:
         backend: KernelBackend | str | None = None,
         backend_options: dict[str, Any] | None = None,
         on_progress: ProgressCallback | None = None,
-        **config: Any,
+        **config: Unpack[ExecutorOptions],
     ) -> None:
         self.config = make_config(**config)
         self.backend = _resolve_backend(backend, backend_options)
@@ -98,16 +104,7 @@ class AsyncKernelExecutor:
             self.config.cache_dir, self.config.installer, on_progress, self._confinement()
         )
         self._state = Lifecycle("the executor")
-        # Sessions by (agent id, fingerprint). A session whose kernel was evicted is only
-        # weakly held ("parked"): kept while its caller holds it, forgotten otherwise, so the
-        # executor's memory is bounded by live sessions, not by every agent ever seen.
-        self._sessions: dict[tuple[str, str], AsyncSession] = {}
-        self._parked: weakref.WeakValueDictionary[tuple[str, str], AsyncSession] = (
-            weakref.WeakValueDictionary()
-        )
-        self._finalizers: dict[tuple[str, str], weakref.finalize[Any, Any]] = {}
-        # What forgotten sessions lost, told to their agent's next session (bounded).
-        self._lost_by_agent: OrderedDict[tuple[str, str], list[str]] = OrderedDict()
+        self._registry = KnownSessions(self._state, self._released)
         self._dirs_used: set[str] = set()
         self._dirs_made: set[str] = set()  # session directories this executor made
         self._pools: dict[str, KernelPool] = {}
@@ -307,8 +304,7 @@ class AsyncKernelExecutor:
         """The open sessions of the default environment by agent id (a copy); a session whose
         kernel was evicted is listed while its caller still holds it."""
         default = self.fingerprint
-        known = [*self._parked.items(), *self._sessions.items()]
-        return {agent: s for (agent, fp), s in known if fp == default}
+        return {agent: s for (agent, fp), s in self._registry.by_key().items() if fp == default}
 
     @property
     def kernel_count(self) -> int:
@@ -319,7 +315,7 @@ class AsyncKernelExecutor:
         """Live kernels by state: ``busy`` (a session's, running a call), ``idle`` (a
         session's, waiting) and ``warm`` (prewarmed, no session yet); for the metrics."""
         states = {"busy": 0, "idle": 0, "warm": sum(p.warm for p in self._pools.values())}
-        for session in self._sessions.values():
+        for session in self._registry.live():
             if session.has_kernel:
                 states["busy" if session.busy else "idle"] += 1
         return states
@@ -375,7 +371,7 @@ class AsyncKernelExecutor:
         env = env or self.env
         fingerprint = self.fingerprint_of(env)
         key = (agent_id, fingerprint)
-        existing = self._sessions.get(key) or self._parked.get(key)
+        existing = self._registry.get(key)
         setup = tuple(c for c in (self.config.setup_code, setup_code) if c)
         if existing is not None:
             if setup_code is not None and existing.setup_code != setup:
@@ -406,7 +402,7 @@ class AsyncKernelExecutor:
             registration,
             env=cfg.env_vars if self.backend.filters_env else None,
         )
-        lease.carry_lost(self._lost_by_agent.pop(key, []))
+        lease.carry_lost(self._registry.take_lost(key))
         if self._store is not None:
             assert isinstance(workdir, Path)
             lease.keeper = SessionState(
@@ -443,7 +439,7 @@ class AsyncKernelExecutor:
             branches=self._branches,
             env=env if self.backend.host_filesystem else None,
         )
-        self._sessions[key] = session
+        self._registry.add(session)
         return session
 
     async def _adopt_branch(self, parent: AsyncSession, conn: KernelConnection) -> AsyncSession:
@@ -454,7 +450,7 @@ class AsyncKernelExecutor:
             count += 1
             agent_id = f"{parent.agent_id}~{count}"
             key = (agent_id, parent.fingerprint)
-            if key not in self._sessions and key not in self._parked:
+            if key not in self._registry:
                 break
         self._branch_counts[parent.agent_id] = count
         pool = parent.lease.pool
@@ -476,51 +472,27 @@ class AsyncKernelExecutor:
         return child
 
     def _park(self, key: tuple[str, str]) -> None:
-        """The session's kernel was evicted: hold the session weakly from now on."""
-        session = self._sessions.pop(key, None)
-        if session is None:
-            return
-        self._parked[key] = session
-        self._budget.forget(session.lease)
-        if key not in self._finalizers:
-            self._finalizers[key] = weakref.finalize(
-                session, self._session_gone, key, session.lease, session.recorder
-            )
+        """The session's kernel was evicted: the registry holds it weakly from now on."""
+        session = self._registry.park(key)
+        if session is not None:
+            self._budget.forget(session.lease)
 
     def _unpark(self, key: tuple[str, str], lease: KernelLease) -> None:
         """A parked session got a kernel again (its caller held it): hold it again."""
-        session = self._parked.pop(key, None)
-        if session is not None and self._state.is_open and key not in self._sessions:
-            self._sessions[key] = session
+        self._registry.unpark(key)
         self._budget.register(lease)
 
-    def _session_gone(
-        self, key: tuple[str, str], lease: KernelLease, recorder: SessionRecorder | None
-    ) -> None:
-        """A parked session nobody held was collected: let its file and names go, and keep
-        what it lost for the agent's next session."""
-        self._finalizers.pop(key, None)
+    def _released(self, lease: KernelLease, recorder: SessionRecorder | None) -> None:
+        """A parked session nobody held was collected: let its file and names go."""
         if recorder is not None:
             recorder.close()
         if lease.watcher is not None:
             lease.watcher.close()  # an attachable session's registry entry
         self._dirs_used.discard(PurePath(lease.workdir).name)
-        lost = lease.pending_lost()
-        if lost and self._state.is_open:
-            self._lost_by_agent[key] = lost
-            while len(self._lost_by_agent) > _MAX_REMEMBERED_LOSSES:
-                self._lost_by_agent.popitem(last=False)
 
     async def _forget(self, session: AsyncSession) -> None:
         """A session closed: the executor no longer knows it (the agent id may be used again)."""
-        key = (session.agent_id, session.fingerprint)
-        if self._sessions.get(key) is session:
-            del self._sessions[key]
-        if self._parked.get(key) is session:
-            del self._parked[key]
-        finalizer = self._finalizers.pop(key, None)
-        if finalizer is not None:
-            finalizer.detach()
+        self._registry.forget(session)
         self._budget.forget(session.lease)
         self._dirs_used.discard(PurePath(session.workdir).name)
 
@@ -617,11 +589,10 @@ class AsyncKernelExecutor:
         """
         if not self._state.close():
             return
-        sessions = [*self._sessions.values(), *self._parked.values()]
+        sessions = self._registry.every()
         if self._store is not None:
             await asyncio.shield(self._hibernate_all(sessions))
-        self._sessions.clear()
-        self._parked.clear()
+        self._registry.clear()
         for session in sessions:
             session.mark_closed()
         pools = list(self._pools.values())
@@ -671,9 +642,7 @@ class AsyncKernelExecutor:
         env = env or self.env
         fingerprint = self.fingerprint_of(env)
         key = "" if env == self.env else fingerprint
-        session = self._sessions.get((agent_id, fingerprint)) or self._parked.get(
-            (agent_id, fingerprint)
-        )
+        session = self._registry.get((agent_id, fingerprint))
         if session is not None and session.lease.keeper is not None:
             session.lease.keeper.deleted()
         return await asyncio.to_thread(self._store.delete, agent_id, key)
@@ -703,3 +672,6 @@ def _resolve_backend(
     raise ConfigError(
         f"backend must be a KernelBackend or a backend name, not {type(backend).__name__}"
     )
+
+
+public(AsyncKernelExecutor)

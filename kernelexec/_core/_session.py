@@ -60,6 +60,7 @@ from kernelexec._models import (
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import CodeRun, ToolCall
+from kernelexec._public import public
 from kernelexec._recording import SessionRecorder
 from kernelexec._tools._tool import Tool
 
@@ -802,3 +803,6 @@ def _env_problem(env_vars: Any) -> str | None:
     ):
         return "env_vars must map str to str"
     return None
+
+
+public(AsyncSession)

@@ -33,6 +33,7 @@ from kernelexec._envs._envs import (
 )
 from kernelexec._exceptions import ConfigError, EnvSetupError
 from kernelexec._observability._otel import telemetry
+from kernelexec._public import public
 from kernelexec._sandbox import _uids, _users
 from kernelexec._sandbox._build import BuildConfinement, take_back
 from kernelexec._sandbox._plan import interpreter_paths
@@ -404,3 +405,6 @@ def prune_envs(cache_dir: Path, older_than_s: float | None = None) -> list[str]:
         finally:
             lock.release()
     return removed
+
+
+public(BuiltEnv, EnvBuilder, EnvProgress)

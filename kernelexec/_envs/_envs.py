@@ -30,6 +30,7 @@ from pydantic import (
 )
 
 from kernelexec._exceptions import ConfigError, describe_problems
+from kernelexec._public import public
 
 KERNEL_REQUIREMENT = f"ipykernel=={importlib.metadata.version('ipykernel')}"
 """What kernelexec needs inside every venv: the ipykernel release the host is tested with."""
@@ -251,3 +252,6 @@ def _installed_here(line: str) -> bool:
     except importlib.metadata.PackageNotFoundError:
         return False
     return req.url is not None or req.specifier.contains(version, prereleases=True)
+
+
+public(LocalEnv, VenvEnv)

@@ -17,6 +17,7 @@ from typing import Any, TypeVar
 from kernelexec._files._commands import AsyncSessionCommands, BackgroundCommand, CommandResult
 from kernelexec._files._session import AsyncSessionFiles, FileReader, FileWriter
 from kernelexec._files._wire import FileInfo
+from kernelexec._public import public
 
 T = TypeVar("T")
 Call = Callable[..., Any]
@@ -225,3 +226,12 @@ class BlockingBackgroundCommand:
     def result(self, *, timed_out: bool = False) -> CommandResult:
         """What was gathered; see :meth:`BackgroundCommand.result`."""
         return self._inner.result(timed_out=timed_out)
+
+
+public(
+    BlockingBackgroundCommand,
+    BlockingFileReader,
+    BlockingFileWriter,
+    SessionCommands,
+    SessionFiles,
+)

@@ -20,6 +20,7 @@ from kernelexec._aio import finish_shielded
 from kernelexec._exceptions import FileTransferError
 from kernelexec._files._link import KernelLink
 from kernelexec._files._wire import COMMAND_REPLY, COMMAND_REQUEST
+from kernelexec._public import public
 
 _POLL_WAIT = 0.25
 """Seconds one poll may wait in the kernel for the command to end. The kernel's shell is busy
@@ -205,3 +206,6 @@ def _argv(command: str | Sequence[str]) -> list[str]:
     if not argv or not all(isinstance(a, str) for a in argv):
         raise TypeError("command must be a str or a non-empty sequence of str")
     return argv
+
+
+public(AsyncSessionCommands, BackgroundCommand, CommandResult)

@@ -19,6 +19,7 @@ from typing import Any
 
 from kernelexec._files._link import KernelLink
 from kernelexec._files._wire import DEFAULT_CHUNK, FileInfo, check_path, raise_for_reply
+from kernelexec._public import public
 from kernelexec.backends._base import KernelConnection, KernelMessage
 
 WINDOW = 2
@@ -344,3 +345,6 @@ class FileWriter(_Stream):
                 await self._send(piece, final=True)
         finally:
             await self._end()  # an unfinished upload is removed in the kernel
+
+
+public(AsyncSessionFiles, FileReader, FileWriter)

@@ -30,6 +30,7 @@ from kernelexec._exceptions import (
 from kernelexec._files import _kernel_commands as kernel_commands
 from kernelexec._files import _kernel_files as kernel_files
 from kernelexec._protocol._host import ExecuteRequest
+from kernelexec._public import public
 from kernelexec.backends._base import KernelConnection, KernelDied, KernelMessage
 
 FILES_REQUEST = kernel_files.FILES_REQUEST
@@ -211,3 +212,6 @@ def raise_for_reply(content: dict[str, Any], path: str) -> None:
     if kind == "os_error":
         raise SessionFileError(errno.EIO, message, path)
     raise FileTransferError(f"file operation on {path!r} failed in the kernel: {message}")
+
+
+public(FileInfo)

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, field_validator
 
 from kernelexec import _json
 from kernelexec._exceptions import NotebookError, ToolDefinitionError, ToolSchemaWarning
+from kernelexec._public import public
 from kernelexec._tools._schema import function_schema
 
 if TYPE_CHECKING:
@@ -281,3 +282,6 @@ def _parse_functions(source: str) -> dict[str, ast.FunctionDef | ast.AsyncFuncti
         for node in tree.body
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef))
     }
+
+
+public(Tool)

@@ -18,12 +18,13 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
+from kernelexec._aio import await_on, call_blocking
 from kernelexec._config import make_config
 from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._core._session import AsyncSession
 from kernelexec._exceptions import ExecutorClosedError
 from kernelexec._models import Execution
-from kernelexec._sync import KernelExecutor
+from kernelexec._sync import KernelExecutor, async_side
 
 T = TypeVar("T")
 
@@ -87,8 +88,7 @@ class AgentKernel:
             raise ExecutorClosedError(f"the adapter of agent {self.agent_id!r} was closed")
         ex = self.executor
         if isinstance(ex, KernelExecutor):
-            ex._portal._state.check()  # a closed facade's loop is gone: fail, never hang
-            return ex._async, ex._portal._loop
+            return async_side(ex)  # a closed facade's loop is gone: it fails, never hangs
         loop = ex.loop
         if loop is None:
             raise RuntimeError(
@@ -121,20 +121,14 @@ class AgentKernel:
                 "thread, which would deadlock; run the agent in a worker thread "
                 "(asyncio.to_thread) or pass a KernelExecutor"
             )
-        future = asyncio.run_coroutine_threadsafe(self._with_session(op), loop)
-        try:
-            return future.result()
-        except BaseException:
-            future.cancel()
-            raise
+        return call_blocking(loop, self._with_session(op))
 
     async def acall(self, op: SessionOp[T]) -> T:
         """Await ``op(session)`` from any event loop; cancelling the caller cancels it."""
         _, loop = self._async_executor()
         if asyncio.get_running_loop() is loop:
             return await self._with_session(op)
-        future = asyncio.run_coroutine_threadsafe(self._with_session(op), loop)
-        return await asyncio.wrap_future(future)
+        return await await_on(loop, self._with_session(op))
 
     def run_code(self, code: str, timeout: float | None = None) -> Execution:
         """Run code in the agent's kernel and wait for the result."""

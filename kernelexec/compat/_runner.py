@@ -2,7 +2,7 @@
 
 Letta's callers are coroutines on whatever loop their server runs (a FastAPI worker, a test's
 loop, ``asyncio.run`` in a script). Kernels, their sockets and background tasks belong to one
-loop, so the executor lives on a daemon thread's loop and every call is handed to it; the
+loop, so the executor lives on a loop thread of its own and every call is handed to it; the
 caller awaits the result on its own loop. Cancelling the caller cancels the call (the session
 then interrupts the kernel).
 """
@@ -10,11 +10,10 @@ then interrupts the kernel).
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import threading
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
+from kernelexec._aio import LoopThread
 from kernelexec._config import make_config
 from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._exceptions import ExecutorClosedError
@@ -23,7 +22,7 @@ T = TypeVar("T")
 
 
 class ExecutorThread:
-    """An :class:`AsyncKernelExecutor` on a loop in a daemon thread.
+    """An :class:`AsyncKernelExecutor` on a :class:`~kernelexec._aio.LoopThread` of its own.
 
     Args:
         config: :class:`~kernelexec.ExecutorConfig` fields for the executor.
@@ -31,16 +30,12 @@ class ExecutorThread:
 
     def __init__(self, config: dict[str, Any]) -> None:
         make_config(**config)  # a bad field is the caller's error, raised here
-        self._loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name="kernelexec-letta", daemon=True
-        )
-        self._thread.start()
+        self._thread = LoopThread("kernelexec-letta")
         self._closed = False
         try:
-            self.executor: AsyncKernelExecutor = self._call(self._open, config).result()
+            self.executor: AsyncKernelExecutor = self._thread.call(self._open, config)
         except BaseException:
-            self._stop()
+            self._thread.stop()
             raise
 
     @staticmethod
@@ -49,17 +44,12 @@ class ExecutorThread:
         await executor.start()
         return executor
 
-    def _call(
-        self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any
-    ) -> concurrent.futures.Future[T]:
-        return asyncio.run_coroutine_threadsafe(fn(*args), self._loop)
-
     async def run(self, fn: Callable[..., Coroutine[Any, Any, T]], *args: Any) -> T:
         """Run ``fn(*args)`` on the executor's loop; await it from any loop."""
         if self._closed:
             raise ExecutorClosedError("the Letta sandbox executor is shut down")
         try:
-            return await asyncio.wrap_future(self._call(fn, *args))
+            return await self._thread.run(fn, *args)
         except asyncio.CancelledError:
             if self._closed:  # shutdown() cancelled the call, not the caller's own task
                 raise ExecutorClosedError(
@@ -68,26 +58,12 @@ class ExecutorThread:
             raise
 
     def close(self) -> None:
-        """Shut every kernel down and stop the thread (blocking; idempotent)."""
+        """Shut every kernel down and stop the thread (blocking; idempotent); calls still
+        running are cancelled (their callers get ``ExecutorClosedError``)."""
         if self._closed:
             return
         self._closed = True
         try:
-            self._call(self.executor.aclose).result()
+            self._thread.call(self.executor.aclose)
         finally:
-            self._call(_cancel_the_rest).result()
-            self._stop()
-
-    def _stop(self) -> None:
-        self._loop.call_soon_threadsafe(self._loop.stop)
-        self._thread.join()
-        self._loop.close()
-
-
-async def _cancel_the_rest() -> None:
-    """Cancel calls still running (their callers get ``CancelledError``) before the loop stops."""
-    me = asyncio.current_task()
-    rest = [t for t in asyncio.all_tasks() if t is not me]
-    for task in rest:
-        task.cancel()
-    await asyncio.gather(*rest, return_exceptions=True)
+            self._thread.stop()
