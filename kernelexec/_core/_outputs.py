@@ -13,7 +13,7 @@ from typing import Any
 
 from nbformat.v4 import output_from_msg
 
-from kernelexec._protocol._kernel_side import OUTPUT_TYPES
+from kernelexec._protocol._kernel_budget import OUTPUT_TYPES
 from kernelexec.backends._base import KernelMessage
 
 OutputCallback = Callable[[Any], Awaitable[None] | None]

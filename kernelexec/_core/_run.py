@@ -28,7 +28,13 @@ from typing import Any, Protocol
 
 from kernelexec._aio import finish_shielded
 from kernelexec._core._outputs import CallbackFailed, Callbacks, Collected, OutputCollector
-from kernelexec._protocol._host import FENCE_REPLY, FENCE_REQUEST, ExecuteRequest, output_count
+from kernelexec._protocol._host import (
+    FENCE_REPLY,
+    FENCE_REQUEST,
+    ExecuteRequest,
+    Reply,
+    read_reply,
+)
 from kernelexec.backends._base import KernelConnection, KernelDied, KernelMessage
 
 
@@ -54,11 +60,19 @@ class RunOutcome:
     started: bool = False  # the kernel acknowledged the request (any message for it arrived)
     idle: bool = False  # the iopub ``status: idle`` for the request arrived
     cancelled: bool = False  # the caller cancelled the run
+    _read: tuple[dict[str, Any] | None, Reply] | None = field(default=None, repr=False)
 
     @property
     def died(self) -> bool:
         """Whether the kernel died during the run."""
         return self.death is not None
+
+    def read(self) -> Reply:
+        """The reply as kernelexec reads it (:func:`~kernelexec._protocol._host.read_reply`),
+        read once: the run loop needs its output count, the session the rest."""
+        if self._read is None or self._read[0] is not self.reply:
+            self._read = (self.reply, read_reply(self.reply))
+        return self._read[1]
 
 
 async def run_internal(
@@ -144,7 +158,7 @@ class _Run:
         if self.fence_id is not None:
             # An idle may be forged as a reply may; the real reply counts the outputs.
             if self.expected is None:
-                count = output_count(out.reply or {})
+                count = out.read().count
                 self.expected = count.sent if count is not None else -1
             if self.expected >= 0:
                 return out.collected.received >= self.expected
@@ -153,7 +167,7 @@ class _Run:
         if not self.quiet:
             return False
         if self.expected is None:
-            count = output_count(out.reply or {})
+            count = out.read().count
             self.expected = count.sent if count is not None else 0
         return out.collected.received >= self.expected
 

@@ -1,9 +1,10 @@
 """``AsyncSession``: one agent's persistent kernel, its calls serialised in submission order.
 
-The session checks what the caller passed, builds the request (``_protocol._host``), runs it on
-its lease's kernel (``_run``), turns what happened into a typed result, and hands each finished
-run to its observers as a frozen :class:`~kernelexec._models.RunRecord` (the notebook recorder
-is one). The kernel's lifecycle is the lease's (``_lease``).
+The session checks what the caller passed, describes the run (``_protocol._host`` builds its
+request), runs it on its lease's kernel (``_run``), turns what happened into a typed result
+(``_results``), and hands each finished run to its observers as a frozen
+:class:`~kernelexec._models.RunRecord` (the notebook recorder is one). The kernel's lifecycle
+is the lease's (``_lease``).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from nbformat import NotebookNode
 from kernelexec._aio import finish_shielded
 from kernelexec._codemode._exposure import DEFAULT_MODULE, HostFunctions, one_call
 from kernelexec._config import valid_timeout
+from kernelexec._core import _results as results
 from kernelexec._core._hostcalls import (
     OneCall,
     SessionCodeMode,
@@ -28,6 +30,7 @@ from kernelexec._core._hostcalls import (
 )
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import CallbackFailed, Callbacks, Collected, OutputCallback
+from kernelexec._core._results import Ran
 from kernelexec._core._run import RunOutcome, run_internal, run_request
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._traced import traced_call
@@ -56,7 +59,7 @@ from kernelexec._models import (
 )
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol import _host as protocol
-from kernelexec._protocol._host import ExecuteRequest
+from kernelexec._protocol._host import CodeRun, ToolCall
 from kernelexec._public import public
 from kernelexec._recording import SessionRecorder
 from kernelexec._tools._tool import Tool
@@ -256,13 +259,13 @@ class AsyncSession:
         if problem:
             raise TypeError(problem)
         once = one_call(host_functions)
-        request = protocol.code_request(code, env_vars)
+        run = CodeRun(code, env_vars)
         callbacks = Callbacks(on_stdout, on_stderr, on_display)
         async with self._lease.hold():
             self._state.check()
             started = now_iso()
             try:
-                result, report, generation = await self._execute(request, timeout, callbacks, once)
+                ran = await self._execute(run, timeout, callbacks, once)
             except asyncio.CancelledError:
                 self._raise_if_closed_under_us()
                 await finish_shielded(
@@ -278,10 +281,8 @@ class AsyncSession:
                     )
                 )
                 raise _callers_error(failed) from None
-            execution = Execution(**result)
-            problem = await self._observe(
-                "code", execution, started, timeout, generation, report, {"code": code}
-            )
+            execution = results.execution(ran)
+            problem = await self._observe("code", execution, started, timeout, ran, {"code": code})
             if problem is not None:
                 execution = execution.model_copy(update={"recording_error": problem})
         return without_host_call_outputs(execution) if self._recorder else execution
@@ -330,20 +331,12 @@ class AsyncSession:
             self._state.check()
             started = now_iso()
             if problems:
-                error = ExecError(
-                    kind="invalid_args",
-                    ename=protocol.INVALID_ARGUMENTS,
-                    evalue="; ".join(problems),
+                full = results.rejected(
+                    problems, agent_state=agent_state, fingerprint=self.fingerprint
                 )
-                full = ToolResult(
-                    status="error",
-                    error=error,
-                    agent_state=agent_state,
-                    sandbox_config_fingerprint=self.fingerprint,
-                )
-                generation, report = self._lease.generation, None
+                ran = Ran(full.error, Collected(), self._lease.generation)
             else:
-                request = protocol.tool_call_request(
+                run = ToolCall(
                     tool,
                     args,
                     agent_state=agent_state,
@@ -353,9 +346,7 @@ class AsyncSession:
                 )
                 callbacks = Callbacks(on_stdout, on_stderr, on_display)
                 try:
-                    fields, report, generation = await self._execute(
-                        request, timeout, callbacks, once
-                    )
+                    ran = await self._execute(run, timeout, callbacks, once)
                 except asyncio.CancelledError:
                     self._raise_if_closed_under_us()
                     await finish_shielded(
@@ -382,19 +373,11 @@ class AsyncSession:
                         )
                     )
                     raise _callers_error(failed) from None
-                fields["sandbox_config_fingerprint"] = self.fingerprint
-                fields["agent_state"] = agent_state
-                if report is not None and report.result is not None:
-                    fields["func_return"] = report.result.get("return")
-                    if "agent_state" in report.result:
-                        fields["agent_state"] = protocol.load_state(
-                            agent_state, report.result["agent_state"]
-                        )
-                full = ToolResult(**fields)
+                full = results.tool_result(
+                    ran, agent_state=agent_state, fingerprint=self.fingerprint
+                )
             call = {"tool": tool, "args": args, "agent_state": agent_state}
-            problem = await self._observe(
-                "tool_call", full, started, timeout, generation, report, call
-            )
+            problem = await self._observe("tool_call", full, started, timeout, ran, call)
             if problem is not None:
                 full = full.model_copy(update={"recording_error": problem})
         if not recording:
@@ -572,8 +555,7 @@ class AsyncSession:
         result: Execution,
         started: str,
         timeout: float,
-        generation: int,
-        report: protocol.Report | None,
+        ran: Ran,
         what: dict[str, Any],
     ) -> str | None:
         """Hand the finished run to every observer, in order (nothing is built without one);
@@ -589,8 +571,8 @@ class AsyncSession:
             started=started,
             finished=now_iso(),
             timeout_s=timeout,
-            kernel_generation=generation,
-            language_info=report.language_info if report else None,
+            kernel_generation=ran.generation,
+            language_info=ran.report.language_info if ran.report else None,
             **what,
         )
         return await self._notify(record)
@@ -601,45 +583,59 @@ class AsyncSession:
 
     async def _execute(
         self,
-        request: ExecuteRequest,
+        run: CodeRun | ToolCall,
         timeout: float,
         callbacks: Callbacks,
         once: OneCall | None = None,
-    ) -> tuple[dict[str, Any], protocol.Report | None, int]:
-        """Run ``request`` on the lease's kernel: the result's fields, the kernel side's
-        report, and the number of the kernel that ran it."""
+    ) -> Ran:
+        """Run ``run`` on the lease's kernel: what it came to (its error, outputs, the kernel
+        side's report, the number of the kernel that ran it)."""
         start = time.monotonic()
         try:
             _, lost = await self._lease.attach()
         except EnvSetupError as exc:
             error = ExecError(kind="env_setup_failed", ename="EnvSetupError", evalue=str(exc))
-            fields = _not_run(error)
-            fields["duration_s"] = time.monotonic() - start
-            return fields, None, self._lease.generation
+            return Ran(
+                error, Collected(), self._lease.generation, duration_s=time.monotonic() - start
+            )
         failed = await self._set_up(timeout)
         if failed is not None:
-            fields = _not_run(failed)
-            fields["kernel_restarted"] = lost is not None
-            fields["lost_variables"] = sorted(set(lost or []))
-            fields["restored"] = self._lease.take_restored()
-            fields["duration_s"] = time.monotonic() - start
-            return fields, None, self._lease.generation
-        out, calls = await self._send(request, timeout, callbacks, once)
+            return Ran(
+                failed,
+                Collected(),
+                self._lease.generation,
+                kernel_restarted=lost is not None,
+                lost_variables=sorted(set(lost or [])),
+                restored=self._lease.take_restored(),
+                duration_s=time.monotonic() - start,
+            )
+        out, calls = await self._send(run, timeout, callbacks, once)
         if out.died and not out.started:
             # The kernel died before it saw the request (e.g. killed between calls): the
             # code never ran, so run it once on a fresh kernel.
             lost = (lost or []) + await self._lease.replace()
-            out, calls = await self._send(request, timeout, callbacks, once)
+            out, calls = await self._send(run, timeout, callbacks, once)
         generation = self._lease.generation
-        tool_call = protocol.is_tool_call(request)
-        fields, report = await self._finish(out, timeout, lost, tool_call=tool_call)
-        fields["host_calls"] = calls
-        fields["restored"] = self._lease.take_restored()
+        failure, report, lost = await self._finish(
+            out, timeout, lost, tool_call=isinstance(run, ToolCall)
+        )
+        restored = self._lease.take_restored()
         if report is not None and self._lease.keeper is not None:
             await self._lease.after_call(report.extras.get(HOOK_KEY))
-        fields["duration_s"] = time.monotonic() - start
+        ran = Ran(
+            failure,
+            out.collected,
+            generation,
+            report=report,
+            lost_outputs=results.account_outputs(out.collected, out.read().count),
+            kernel_restarted=lost is not None,
+            lost_variables=sorted(set(lost or [])),
+            host_calls=calls,
+            restored=restored,
+            duration_s=time.monotonic() - start,
+        )
         self._current = None  # the result owns its outputs now
-        return fields, report, generation
+        return ran
 
     @property
     def setup_current(self) -> bool:
@@ -656,9 +652,8 @@ class AsyncSession:
         if not self.setup_code or self._setup_done == self._lease.generation:
             return None
         for code in self.setup_code:
-            out, _ = await self._send(protocol.code_request(code), timeout, Callbacks(), None)
+            out, _ = await self._send(CodeRun(code), timeout, Callbacks(), None)
             self._current = None
-            reply = out.reply or {}
             if out.died or out.stuck or out.timed_out:
                 what = "timed out" if out.timed_out or out.stuck else "killed its kernel"
                 if out.died or out.stuck:
@@ -668,18 +663,12 @@ class AsyncSession:
                     ename="SetupCodeError",
                     evalue=f"the session's setup_code {what}; the call did not run",
                 )
-            report = protocol.read_report(reply)
-            if report is not None:
-                self._lease.update_names(report.names)
-            if reply.get("status") != "ok" or out.collected.error is not None:
-                error = protocol.error_from(out.collected.error or reply, "exception")
-                return ExecError(
-                    kind="setup_failed",
-                    ename=error.ename,
-                    evalue=f"the session's setup_code raised {error.ename}: {error.evalue}; "
-                    "the call did not run",
-                    traceback=error.traceback,
-                )
+            reply = out.read()
+            if reply.report is not None:
+                self._lease.update_names(reply.report.names)
+            error = results.setup_failed(out, reply)
+            if error is not None:
+                return error
         self._setup_done = self._lease.generation
         return None
 
@@ -711,17 +700,12 @@ class AsyncSession:
             else "it was interrupted"
         )
         ename = "CancelledError" if failed is None else type(failed.error).__name__
-        collected = out.collected if out is not None else Collected()
-        fields: dict[str, Any] = {
-            "status": "error",
-            "error": ExecError(kind="cancelled", ename=ename, evalue=why),
-            "stdout": collected.stdout,
-            "stderr": collected.stderr,
-            "outputs": collected.outputs,
-            "execution_count": collected.execution_count,
-            "kernel_restarted": replaced,
-        }
-        result = ToolResult(**fields) if record["kind"] == "tool_call" else Execution(**fields)
+        result = results.cancelled(
+            out.collected if out is not None else Collected(),
+            ExecError(kind="cancelled", ename=ename, evalue=why),
+            replaced=replaced,
+            kind=record["kind"],
+        )
         await self._notify(
             RunRecord(
                 agent_id=self.agent_id,
@@ -735,16 +719,16 @@ class AsyncSession:
 
     async def _send(
         self,
-        request: ExecuteRequest,
+        run: CodeRun | ToolCall,
         timeout: float,
         callbacks: Callbacks,
         once: OneCall | None,
     ) -> tuple[RunOutcome, list[HostCall]]:
         conn = self._lease.connection
         assert conn is not None
-        settings = self._lease.take_settings()
-        if settings is not None:
-            request = protocol.with_configure(request, settings)
+        request = protocol.build_request(
+            run, served=conn.serves_calls, configure=self._lease.take_settings()
+        )
         self._current = RunOutcome()
         request, host = await self._codemode.start_run(
             conn,
@@ -754,8 +738,6 @@ class AsyncSession:
             record=self._recorder is not None,
             outputs=self._current.collected.outputs,
         )
-        if conn.serves_calls and protocol.is_tool_call(request):
-            request = protocol.served(request)
         try:
             out = await run_request(
                 conn,
@@ -787,102 +769,20 @@ class AsyncSession:
 
     async def _finish(
         self, out: RunOutcome, timeout: float, lost: list[str] | None, *, tool_call: bool
-    ) -> tuple[dict[str, Any], protocol.Report | None]:
-        error: ExecError | None = None
-        restarted = lost is not None
-        lost_names = list(lost or [])
-        report: protocol.Report | None = None
-        reply = out.reply or {}
-        collected = out.collected
-
-        if out.death is not None or out.stuck or protocol.asked_exit(reply):
-            if out.death is not None and out.death.limit:
-                why = (
-                    f"the kernel was killed for exceeding its limit {out.death.limit} "
-                    f"({out.death.reason}); a fresh kernel replaces it"
-                )
-                error = ExecError(kind="limit_exceeded", ename="LimitExceeded", evalue=why)
-            elif out.death is not None:
-                why = f"the kernel died ({out.death.reason})"
-                error = ExecError(kind="kernel_died", ename="KernelDied", evalue=why)
-            elif out.stuck:
-                why = (
-                    f"timed out after {timeout:g} s and did not stop when interrupted; "
-                    "the kernel was restarted and its state lost"
-                )
-                error = ExecError(kind="timeout", ename="TimeoutError", evalue=why)
-            else:
-                why = "the code asked the kernel to exit; a fresh kernel replaces it"
-                error = ExecError(kind="kernel_died", ename="KernelExited", evalue=why)
-            log.warning("agent %r: %s", self.agent_id, why)
+    ) -> tuple[ExecError | None, protocol.Report | None, list[str] | None]:
+        """The run's error and report, and the names lost with a kernel (None: the session
+        kept its kernel); a kernel the run cost is replaced here."""
+        reply = out.read()
+        error = results.kernel_lost(out, reply, timeout)
+        if error is not None:
+            log.warning("agent %r: %s", self.agent_id, error.evalue)
             replaced, problem = await self._replace_kernel()
             if problem is None:
-                restarted = True
-                lost_names += replaced
-            else:
-                error = error.model_copy(update={"evalue": error.evalue + problem})
-        else:
-            report = protocol.read_report(reply)
-            if report is not None:
-                self._lease.update_names(report.names)
-            if out.timed_out:
-                error = ExecError(
-                    kind="timeout",
-                    ename="TimeoutError",
-                    evalue=f"timed out after {timeout:g} s; interrupted, kernel state kept",
-                    traceback=list((collected.error or {}).get("traceback") or []),
-                )
-            elif reply.get("status") != "ok" or collected.error is not None:
-                kind = protocol.failure_kind(reply, tool_call=tool_call)
-                error = protocol.error_from(collected.error or reply, kind)
-        lost_outputs = _account_outputs(collected, protocol.output_count(reply))
-        fields: dict[str, Any] = {
-            "status": "error" if error else "success",
-            "lost_outputs": lost_outputs,
-            "stdout": collected.stdout,
-            "stderr": collected.stderr,
-            "outputs": collected.outputs,
-            "result": collected.result,
-            "error": error,
-            "execution_count": collected.execution_count,
-            "kernel_restarted": restarted,
-            "lost_variables": sorted(set(lost_names)),
-            "widgets_dropped": collected.widgets_dropped,
-        }
-        return fields, report
-
-
-def _account_outputs(collected: Collected, count: protocol.OutputCount | None) -> int:
-    """Compare what arrived with what the kernel side sent; say in ``stdout`` (and return) how
-    many output messages were lost, and how many outputs the budget suppressed."""
-    if count is None:
-        return 0
-    lost = max(0, count.sent - collected.received)
-    notes = []
-    if lost:
-        notes.append(
-            f"[kernelexec: {lost} output message(s) of {count.sent} lost: sent by the kernel, "
-            "never received (refused by the host, or lost by a broken transport)]"
-        )
-    if count.suppressed:
-        notes.append(
-            f"[kernelexec: {count.suppressed} more output(s) dropped: over the output budget "
-            f"of {count.limit} characters]"
-        )
-    if notes:
-        text = "\n" if collected.stdout and not collected.stdout.endswith("\n") else ""
-        text += "\n".join(notes) + "\n"
-        collected.stdout += text
-        outputs = collected.outputs
-        if (
-            outputs
-            and outputs[-1].get("output_type") == "stream"
-            and outputs[-1]["name"] == "stdout"
-        ):
-            outputs[-1]["text"] += text
-        else:
-            outputs.append({"output_type": "stream", "name": "stdout", "text": text})
-    return lost
+                return error, None, (lost or []) + replaced
+            return error.model_copy(update={"evalue": error.evalue + problem}), None, lost
+        if reply.report is not None:
+            self._lease.update_names(reply.report.names)
+        return results.run_error(out, reply, timeout, tool_call=tool_call), reply.report, lost
 
 
 def _callers_error(failed: CallbackFailed) -> Exception:
@@ -893,11 +793,6 @@ def _callers_error(failed: CallbackFailed) -> Exception:
     if callable(add_note):
         add_note(note)
     return error
-
-
-def _not_run(error: ExecError) -> dict[str, Any]:
-    """Result fields of a run that never reached a kernel."""
-    return {"status": "error", "error": error, "outputs": [], "stdout": "", "stderr": ""}
 
 
 def _env_problem(env_vars: Any) -> str | None:

@@ -1,8 +1,10 @@
-"""The host half of kernelexec's protocol: building requests, reading reports, naming errors.
+"""The host half of kernelexec's protocol: building requests, reading replies, naming errors.
 
-Its counterpart runs inside the kernel (``_kernel_side.py``, sent as text at start-up); the
-constants both halves need are defined there and imported here, so they cannot drift apart.
-Plain functions and frozen values: no I/O, no kernel, no state.
+A run's request is built by one function (:func:`build_request`, from a :class:`CodeRun` or a
+:class:`ToolCall`) and its reply read by one (:func:`read_reply`, into a :class:`Reply`).
+Their counterpart runs inside the kernel (``_kernel_side.py`` and its companions, sent as text
+at start-up); the constants and keys both halves need are defined there and imported here,
+so they cannot drift apart. Plain functions and frozen values: no I/O, no kernel, no state.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from pydantic import BaseModel
 
 from kernelexec import _json, _proctitle
 from kernelexec._models import ErrorKind, ExecError
+from kernelexec._protocol import _kernel_budget as kernel_budget
 from kernelexec._protocol import _kernel_side as kernel_side
 from kernelexec._tools._tool import Tool
 
@@ -99,8 +102,6 @@ def bootstrap_request(
     so a whole test suite can run on the execute path.
     """
     files = importlib.resources.files(__package__)
-    source = files.joinpath("_kernel_side.py").read_text()
-    output_source = files.joinpath("_kernel_output.py").read_text()
     if fast_paths is None:
         fast_paths = os.environ.get("KERNELEXEC_NO_FAST_PATHS") != "1"
     fast_calls = fast_calls and os.environ.get("KERNELEXEC_FAST_CALLS", "1") != "0"
@@ -113,7 +114,8 @@ def bootstrap_request(
         f"    meta = get_ipython().kernel.get_parent()['metadata'][{kernel_side.METADATA_KEY!r}]\n"
         f"    mod = types.ModuleType({kernel_side.MODULE_NAME!r})\n"
         f"    sys.modules[{kernel_side.MODULE_NAME!r}] = mod\n"
-        "    exec(compile(meta['source'], '<kernelexec>', 'exec'), mod.__dict__)\n"
+        f"    exec(compile(meta[{kernel_side.INSTALL_SOURCE!r}], '<kernelexec>', 'exec'), "
+        "mod.__dict__)\n"
         "    mod.install()\n"
         "__kx_install(); del __kx_install\n"
     )
@@ -123,8 +125,10 @@ def bootstrap_request(
         store_history=False,
         metadata={
             kernel_side.METADATA_KEY: {
-                "source": source,
-                "output_source": output_source,
+                kernel_side.INSTALL_SOURCE: files.joinpath("_kernel_side.py").read_text(),
+                kernel_side.INSTALL_BUDGET_SOURCE: files.joinpath("_kernel_budget.py").read_text(),
+                kernel_side.INSTALL_TUNING_SOURCE: files.joinpath("_kernel_tuning.py").read_text(),
+                kernel_side.INSTALL_OUTPUT_SOURCE: files.joinpath("_kernel_output.py").read_text(),
                 "max_output_chars": max_output_chars,
                 "report_expression": REPORT_EXPRESSION,
                 "fast_paths": fast_paths,
@@ -169,56 +173,79 @@ def read_variables(reply: dict[str, Any]) -> dict[str, dict[str, str]]:
     }
 
 
-def code_request(code: str, env_vars: dict[str, str] | None = None) -> ExecuteRequest:
-    """A ``run_code`` request: the code as it is, the report, and the run's own variables."""
-    metadata = {kernel_side.METADATA_KEY: {"env": dict(env_vars)}} if env_vars else {}
+@dataclass(frozen=True, slots=True)
+class CodeRun:
+    """A ``run_code`` run: the code as it is, and the run's own environment variables."""
+
+    code: str
+    env_vars: dict[str, str] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ToolCall:
+    """A tool call: the tool, its (checked) arguments, and how the kernel side runs it.
+
+    Attributes:
+        tool: The tool; its source travels with every call, run only when new or changed.
+        args: The arguments by name.
+        agent_state: Injected when the tool takes ``agent_state``.
+        env_vars: Environment variables set only while the tool runs.
+        max_result_chars: The most characters the result may have as JSON.
+        display: Show the return value as the cell's result (a recorded session).
+    """
+
+    tool: Tool
+    args: dict[str, Any]
+    agent_state: Any = None
+    env_vars: dict[str, str] | None = None
+    max_result_chars: int = 10_000_000
+    display: bool = False
+
+
+def build_request(
+    run: CodeRun | ToolCall, *, served: bool = False, configure: dict[str, Any] | None = None
+) -> ExecuteRequest:
+    """The request for ``run``.
+
+    A tool call's arguments travel as JSON in the metadata, never as code; with ``served``
+    (the kernel side serves calls, see :func:`serves_calls`) it is the kernel side's own
+    message (:data:`CALL_REQUEST`, no code), else an execute request whose cell calls the
+    tool (``await``-ed for an ``async def`` tool, so it runs on the kernel's own event loop).
+    ``configure``: a session's settings (working directory, ...) for a fresh kernel, riding on
+    its first request instead of going on their own (one round trip less per new kernel).
+    """
+    if isinstance(run, CodeRun):
+        spec: dict[str, Any] = {kernel_side.RUN_ENV: dict(run.env_vars)} if run.env_vars else {}
+    else:
+        spec = _call_spec(run)
+    if configure is not None:
+        spec[kernel_side.CONFIGURE] = configure
+    metadata = {kernel_side.METADATA_KEY: spec} if spec else {}
+    if isinstance(run, CodeRun):
+        return ExecuteRequest(code=run.code, user_expressions=_REPORT, metadata=metadata)
+    code = f"await {_MODULE}.acall()" if run.tool.is_async else f"{_MODULE}.call()"
+    if served:  # the same metadata; the code only names what the kernel side runs
+        return ExecuteRequest(code=code, metadata=metadata, msg_type=CALL_REQUEST)
     return ExecuteRequest(code=code, user_expressions=_REPORT, metadata=metadata)
 
 
-def tool_call_request(
-    tool: Tool,
-    args: dict[str, Any],
-    *,
-    agent_state: Any,
-    env_vars: dict[str, str] | None,
-    max_result_chars: int,
-    display: bool,
-) -> ExecuteRequest:
-    """A tool call: the arguments travel as JSON in the metadata, never as code.
-
-    An ``async def`` tool is awaited by the cell itself (``await ...acall()``), so it runs on
-    the kernel's own event loop.
-    """
+def _call_spec(call: ToolCall) -> dict[str, Any]:
+    tool = call.tool
     spec: dict[str, Any] = {
-        "name": tool.name,
-        "digest": tool.digest,
-        "args": _json.dumps(args, ensure_ascii=False),
-        "env": dict(env_vars or {}),
-        "max_result_chars": max_result_chars,
-        "source": tool.source_code,
+        kernel_side.CALL_NAME: tool.name,
+        kernel_side.CALL_DIGEST: tool.digest,
+        kernel_side.CALL_ARGS: _json.dumps(call.args, ensure_ascii=False),
+        kernel_side.RUN_ENV: dict(call.env_vars or {}),
+        kernel_side.CALL_MAX_RESULT_CHARS: call.max_result_chars,
+        kernel_side.CALL_SOURCE: tool.source_code,
     }
     if tool.takes_agent_state:
-        spec["agent_state"] = dump_state(agent_state)
-    if display:
-        spec["display"] = True
+        spec[kernel_side.CALL_AGENT_STATE] = dump_state(call.agent_state)
+    if call.display:
+        spec[kernel_side.CALL_DISPLAY] = True
     if tool.is_async:
-        spec["async"] = True
-    return ExecuteRequest(
-        code=f"await {_MODULE}.acall()" if tool.is_async else f"{_MODULE}.call()",
-        user_expressions=_REPORT,
-        metadata={kernel_side.METADATA_KEY: spec},
-    )
-
-
-def served(request: ExecuteRequest) -> ExecuteRequest:
-    """A tool call ``request`` as the kernel side's own message (:data:`CALL_REQUEST`): the
-    same metadata, no code; for kernels whose helper serves calls (:func:`serves_calls`)."""
-    return dataclasses.replace(request, msg_type=CALL_REQUEST, user_expressions={})
-
-
-def is_tool_call(request: ExecuteRequest) -> bool:
-    """Whether ``request`` is a tool call (built by :func:`tool_call_request`)."""
-    return "name" in (request.metadata.get(kernel_side.METADATA_KEY) or {})
+        spec[kernel_side.CALL_ASYNC] = True
+    return spec
 
 
 def serves_calls(install_reply: dict[str, Any]) -> bool:
@@ -235,7 +262,7 @@ def answers_fences(install_reply: dict[str, Any]) -> bool:
 def _capabilities(install_reply: dict[str, Any]) -> list[Any]:
     for payload in _payloads(install_reply):
         if payload.get("source") == kernel_side.CAPABILITIES_PAYLOAD:
-            serves = payload.get("serves")
+            serves = payload.get(kernel_side.SERVES)
             return serves if isinstance(serves, list) else []
     return []
 
@@ -248,7 +275,7 @@ def with_configure(request: ExecuteRequest, settings: dict[str, Any]) -> Execute
     """
     metadata = dict(request.metadata)
     spec = dict(metadata.get(kernel_side.METADATA_KEY) or {})
-    spec["configure"] = settings
+    spec[kernel_side.CONFIGURE] = settings
     metadata[kernel_side.METADATA_KEY] = spec
     return dataclasses.replace(request, metadata=metadata)
 
@@ -260,8 +287,70 @@ def with_metadata(request: ExecuteRequest, entries: dict[str, Any] | None) -> Ex
     return dataclasses.replace(request, metadata={**request.metadata, **entries})
 
 
-def read_report(reply: dict[str, Any]) -> Report | None:
-    """The kernel side's report from an ``execute_reply`` (None when it has none)."""
+@dataclass(frozen=True, slots=True)
+class OutputCount:
+    """What the kernel side says a run's output was: messages sent, outputs suppressed because
+    the budget was spent, and the budget."""
+
+    sent: int
+    suppressed: int
+    limit: int
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A run's reply as kernelexec reads it (:func:`read_reply`).
+
+    Attributes:
+        ok: The reply's status is ``ok``.
+        report: The kernel side's report (None when the reply has none).
+        count: The kernel side's count of the run's output messages (None: no count).
+        verdict: Which of kernelexec's own checks in the kernel failed, if one did.
+        asked_exit: The code asked the kernel to exit (``exit()``, ``quit()``).
+    """
+
+    ok: bool = False
+    report: Report | None = None
+    count: OutputCount | None = None
+    verdict: ErrorKind | None = None
+    asked_exit: bool = False
+
+    def failure_kind(self, *, tool_call: bool) -> ErrorKind:
+        """The kind of a failed run: for a tool call, what kernelexec's own checks in the
+        kernel said, else ``"exception"``. An exception's name never decides it, nor a payload
+        the code wrote itself (the kernel side keeps only its own verdict); kernelexec checks
+        nothing in a ``run_code`` run, so its kind is always ``"exception"``."""
+        return self.verdict if tool_call and self.verdict is not None else "exception"
+
+
+def read_reply(reply: dict[str, Any] | None) -> Reply:
+    """Read an ``execute_reply`` (or a served call's reply): its status, the kernel side's
+    report and output count, its verdict, and whether the code asked the kernel to exit."""
+    if reply is None:
+        return Reply()
+    count: OutputCount | None = None
+    verdict: ErrorKind | None = None
+    asked_exit = False
+    for payload in _payloads(reply):
+        source = payload.get("source")
+        if source == kernel_budget.OUTPUTS_PAYLOAD:
+            count = count or _output_count(payload)
+        elif source == kernel_side.ERROR_PAYLOAD:
+            kind = payload.get(kernel_side.ERROR_KIND)
+            if verdict is None and kind in _KERNEL_KINDS:
+                verdict = cast(ErrorKind, kind)
+        elif source == "ask_exit":
+            asked_exit = True
+    return Reply(
+        ok=reply.get("status") == "ok",
+        report=_read_report(reply),
+        count=count,
+        verdict=verdict,
+        asked_exit=asked_exit,
+    )
+
+
+def _read_report(reply: dict[str, Any]) -> Report | None:
     entry = (reply.get("user_expressions") or {}).get(kernel_side.REPORT_KEY) or {}
     text = (entry.get("data") or {}).get(RESULT_MIME)
     if not isinstance(text, str):
@@ -272,9 +361,9 @@ def read_report(reply: dict[str, Any]) -> Report | None:
         return None
     if not isinstance(data, dict):
         return None
-    names = data.get("names")
-    result = data.get("result")
-    info = data.get("language_info")
+    names = data.get(kernel_side.REPORT_NAMES)
+    result = data.get(kernel_side.REPORT_RESULT)
+    info = data.get(kernel_side.REPORT_LANGUAGE_INFO)
     return Report(
         names=tuple(str(n) for n in names) if isinstance(names, list) else (),
         result=result if isinstance(result, dict) else None,
@@ -283,27 +372,17 @@ def read_report(reply: dict[str, Any]) -> Report | None:
     )
 
 
-_REPORT_FIELDS = frozenset({"names", "result", "language_info"})
+_REPORT_FIELDS = frozenset(
+    {kernel_side.REPORT_NAMES, kernel_side.REPORT_RESULT, kernel_side.REPORT_LANGUAGE_INFO}
+)
+_COUNT_KEYS = (kernel_budget.SENT, kernel_budget.SUPPRESSED, kernel_budget.LIMIT)
 
 
-def asked_exit(reply: dict[str, Any]) -> bool:
-    """Whether the code asked the kernel to exit (``exit()``, ``quit()``)."""
-    return any(p.get("source") == "ask_exit" for p in _payloads(reply))
-
-
-def failure_kind(reply: dict[str, Any], *, tool_call: bool) -> ErrorKind:
-    """The kind of a failed run: for a tool call, what kernelexec's own checks in the kernel
-    said, else ``"exception"``. An exception's name never decides it, nor a payload the code
-    wrote itself (the kernel side keeps only its own verdict); kernelexec checks nothing in a
-    ``run_code`` run, so its kind is always ``"exception"``."""
-    if not tool_call:
-        return "exception"
-    for payload in _payloads(reply):
-        if payload.get("source") == kernel_side.ERROR_PAYLOAD:
-            kind = payload.get("kind")
-            if kind in _KERNEL_KINDS:
-                return cast(ErrorKind, kind)
-    return "exception"
+def _output_count(payload: dict[str, Any]) -> OutputCount | None:
+    values = [payload.get(k) for k in _COUNT_KEYS]
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+        return OutputCount(*cast(list[int], values))
+    return None
 
 
 INVALID_ARGUMENTS = "InvalidArguments"
@@ -325,26 +404,6 @@ def error_from(content: dict[str, Any], kind: ErrorKind) -> ExecError:
         evalue=str(content.get("evalue", "")),
         traceback=[str(t) for t in content.get("traceback") or []],
     )
-
-
-@dataclass(frozen=True, slots=True)
-class OutputCount:
-    """What the kernel side says a run's output was: messages sent, outputs suppressed because
-    the budget was spent, and the budget."""
-
-    sent: int
-    suppressed: int
-    limit: int
-
-
-def output_count(reply: dict[str, Any]) -> OutputCount | None:
-    """The kernel side's count of the run's output messages, from its reply (None: no count)."""
-    for payload in _payloads(reply):
-        if payload.get("source") == kernel_side.OUTPUTS_PAYLOAD:
-            values = [payload.get(k) for k in ("sent", "suppressed", "limit")]
-            if all(isinstance(v, int) and not isinstance(v, bool) for v in values):
-                return OutputCount(*cast(list[int], values))
-    return None
 
 
 def _payloads(reply: dict[str, Any]) -> list[dict[str, Any]]:

@@ -6,11 +6,10 @@ ipykernel) and executed there as the module ``__kernelexec__``. It uses the stan
 
 What it does inside the kernel:
 
-* caps the characters a single execution may send as output (stdout/stderr, displays, errors
-  and tracebacks share ``max_output_chars``; the kernel otherwise ships a 200 MB print as one
-  message), counts the output messages it sent, and reports the count with the reply
-  (``OUTPUTS_PAYLOAD``), so the host can tell when the transport dropped some;
-* keeps no output history (IPython 9 would keep every printed byte for the kernel's lifetime);
+* installs ``_kernel_budget.py`` (sent along): every run's output is capped and counted, and
+  the count rides on the reply;
+* installs ``_kernel_tuning.py`` (sent along): no output history (IPython 9 would keep every
+  printed byte for the kernel's lifetime), less work per call, fd-level output waited for;
 * runs tool calls whose arguments arrive as JSON in the request's metadata, never as code,
   served by its own shell handler (``CALL_REQUEST``, see :func:`_serve_call`) without
   IPython's execute machinery, or from an execute request where that is switched off;
@@ -27,7 +26,8 @@ What it does inside the kernel:
   dropped, and fd-level output keeps its characters whole.
 
 The constants below are shared with the host half (``kernelexec._protocol._host``), which
-imports this module; nothing here imports anything of kernelexec.
+imports this module; nothing here imports anything of kernelexec (the companion modules are
+executed from the source texts the install request carries, see :func:`_load_module`).
 """
 
 from __future__ import annotations
@@ -39,20 +39,15 @@ import dataclasses
 import datetime
 import decimal
 import enum
-import gc
 import importlib
 import inspect
 import json
 import linecache
-import logging
 import math
 import os
 import pathlib
-import select
 import signal
 import sys
-import threading
-import time
 import types
 import uuid
 from typing import Any
@@ -108,186 +103,50 @@ FENCE_REPLY = "kernelexec_fence_reply"
 CAPABILITIES_PAYLOAD = "kernelexec.capabilities"
 """The ``source`` of the install reply's payload that lists what this kernel's helper serves."""
 
-OUTPUTS_PAYLOAD = "kernelexec.outputs"
-"""The ``source`` of the reply payload that says how many output messages a run sent."""
+SERVES = "serves"
+"""The capabilities payload's list of what the helper serves (``"call"``, ``"fence"``)."""
 
-OUTPUT_TYPES = frozenset(
-    {"stream", "display_data", "execute_result", "error", "update_display_data", "clear_output"}
-)
-"""The iopub message types that are a run's outputs (counted on both sides)."""
+ERROR_KIND = "kind"
+"""The ``ERROR_PAYLOAD``'s key naming the kind of failure (:data:`INVALID_TOOL`, ...)."""
 
-_ERROR_FLOOR = 2_000  # an error is always readable, even when prints used the whole budget
+# The keys of kernelexec's part of a request's metadata (under METADATA_KEY): a tool call's
+# spec, a run's own environment variables, and a fresh kernel's settings.
+CALL_NAME = "name"
+CALL_DIGEST = "digest"
+CALL_SOURCE = "source"
+CALL_ARGS = "args"
+CALL_AGENT_STATE = "agent_state"
+CALL_MAX_RESULT_CHARS = "max_result_chars"
+CALL_DISPLAY = "display"
+CALL_ASYNC = "async"
+RUN_ENV = "env"
+CONFIGURE = "configure"
 
+# The keys of the report (the JSON under RESULT_MIME in the REPORT_KEY user expression), and of
+# a tool call's result in it.
+REPORT_NAMES = "names"
+REPORT_RESULT = "result"
+REPORT_LANGUAGE_INFO = "language_info"
+RESULT_RETURN = "return"
+RESULT_AGENT_STATE = "agent_state"
 
-class _Budget:
-    """A run's output budget, shared by every kind of output, and its count of sent messages.
+BUDGET_MODULE_NAME = "__kernelexec_budget__"
+"""The name ``_kernel_budget.py`` (the output budget and count) is installed under."""
 
-    Enforced where ipykernel hands a message to its session for sending (``_guard_session``),
-    below anything IPython or user code may swap (``sys.stdout.write`` is rewrapped by IPython
-    9 around every cell). Also called from ipykernel's IOPub thread, hence the lock.
-    """
+TUNING_MODULE_NAME = "__kernelexec_tuning__"
+"""The name ``_kernel_tuning.py`` (install-time tuning of ipykernel and IPython) is installed
+under."""
 
-    def __init__(self, limit: int) -> None:
-        self.limit = limit
-        self.lock = threading.Lock()
-        self.reset(None)
+OUTPUT_MODULE_NAME = "__kernelexec_output__"
+"""The name ``_kernel_output.py`` (flow control, whole characters) is installed under."""
 
-    def reset(self, run_id: str | None) -> None:
-        with self.lock:
-            self.run_id = run_id
-            self.used = 0
-            self.sent = 0  # output messages of this run handed to the session
-            self.suppressed = 0  # outputs not sent at all: the budget was spent
-            self.stream_cut = False
-            self.error_allowance = _ERROR_FLOOR
+# Keys of the install request's metadata: this module's source and its companions'.
+INSTALL_SOURCE = "source"
+INSTALL_BUDGET_SOURCE = "budget_source"
+INSTALL_TUNING_SOURCE = "tuning_source"
+INSTALL_OUTPUT_SOURCE = "output_source"
 
-    def admit(self, kind: str, content: dict[str, Any], parent_id: Any) -> bool:
-        """Fit an output message into the budget (``content`` is cut in place); False: drop it."""
-        with self.lock:
-            keep = self._fit(kind, content)
-            if parent_id == self.run_id and self.run_id is not None:
-                if keep:
-                    self.sent += 1
-                else:
-                    self.suppressed += 1
-            return keep
-
-    def _fit(self, kind: str, content: dict[str, Any]) -> bool:
-        room = self.limit - self.used
-        if kind == "stream":
-            if self.stream_cut:
-                return False
-            text = str(content.get("text", ""))
-            if len(text) > room:
-                content["text"] = (
-                    text[: max(room, 0)]
-                    + f"\n[kernelexec: output truncated at {self.limit} characters]\n"
-                )
-                self.stream_cut = True
-            self.used += min(len(text), max(room, 0))
-            return True
-        if kind in ("display_data", "execute_result", "update_display_data"):
-            data = content.get("data")
-            size = _data_size(data) if isinstance(data, dict) else 0
-            if size <= room:
-                self.used += size
-                return True
-            if room <= 0:
-                return False
-            content["data"] = {
-                "text/plain": f"[kernelexec: display output of {size} characters dropped: "
-                f"over the output budget of {self.limit} characters]"
-            }
-            content["metadata"] = {}
-            self.used = self.limit
-            return True
-        if kind == "error":
-            self.error_allowance = max(room, _ERROR_FLOOR)
-            self.used += cap_error(content, self.error_allowance)
-            return True
-        return True  # clear_output
-
-
-def _data_size(data: dict[str, Any]) -> int:
-    size = 0
-    for value in data.values():
-        if isinstance(value, str):
-            size += len(value)
-        else:
-            try:
-                size += len(json.dumps(value))
-            except (TypeError, ValueError):
-                size += len(repr(value))
-    return size
-
-
-def cap_error(content: dict[str, Any], allowance: int) -> int:
-    """Cut an error's message and traceback (in place) to ``allowance`` characters in all,
-    keeping the end of the traceback (where the failure is); returns the size kept."""
-    evalue = str(content.get("evalue", ""))
-    traceback = [str(line) for line in content.get("traceback") or []]
-    size = len(evalue) + sum(len(line) for line in traceback)
-    if size <= allowance:
-        return size
-    half = allowance // 2
-    if len(evalue) > half:
-        dropped = len(evalue) - half
-        evalue = evalue[:half] + f"... [kernelexec: {dropped} characters cut]"
-    rest = allowance - len(evalue)
-    kept: list[str] = []
-    for line in reversed(traceback):
-        if rest <= 0:
-            break
-        if len(line) > rest:
-            line = line[:rest] + "... [kernelexec: cut]"
-        kept.append(line)
-        rest -= len(line)
-    if sum(len(line) for line in kept) < sum(len(line) for line in traceback):
-        kept.append(f"[kernelexec: traceback cut to the output budget of {allowance} characters]")
-    content["evalue"] = evalue
-    content["traceback"] = kept[::-1]
-    return allowance
-
-
-def _parent_id(parent: Any) -> Any:
-    if not isinstance(parent, dict):
-        return None
-    header = parent.get("header", parent)
-    return header.get("msg_id") if isinstance(header, dict) else None
-
-
-def _guard_session(session: Any, budget: _Budget, gate: Any) -> None:
-    """Make every output message pass the budget before it is serialised and sent, once the
-    host has room for it (``gate``: see ``_kernel_output``)."""
-    original = session.send
-
-    def send(
-        stream: Any,
-        msg_or_type: Any,
-        content: Any = None,
-        parent: Any = None,
-        *args: Any,
-        **kw: Any,
-    ) -> Any:
-        if isinstance(msg_or_type, dict):
-            kind = (msg_or_type.get("header") or {}).get("msg_type")
-            body = msg_or_type.get("content")
-            parent_id = _parent_id(msg_or_type.get("parent_header"))
-        else:
-            kind, body, parent_id = msg_or_type, content, _parent_id(parent)
-        if kind in OUTPUT_TYPES and isinstance(body, dict):
-            if gate is not None:
-                gate.wait()
-            if not budget.admit(str(kind), body, parent_id):
-                return None
-        return original(stream, msg_or_type, content, parent, *args, **kw)
-
-    session.send = send
-
-
-class _NoOutputHistory(dict):  # type: ignore[type-arg]
-    """Stands in for IPython's output and exception history: everything put in is dropped.
-
-    IPython 9 keeps every printed byte, displayed bundle (``%history -o``) and formatted
-    traceback of a kernel's lifetime there.
-    """
-
-    def __missing__(self, key: Any) -> list[Any]:
-        return []
-
-    def __setitem__(self, key: Any, value: Any) -> None:
-        pass
-
-
-def _keep_no_output_history(shell: Any) -> None:
-    # ``_tee`` is IPython 9's per-cell wrapper of sys.stdout/err.write that fills the history.
-    shell._tee = lambda channel: contextlib.nullcontext()
-    if hasattr(shell, "_format_exception_for_storage"):
-        shell._format_exception_for_storage = lambda *args, **kwargs: None  # formats it again
-    history = getattr(shell, "history_manager", None)
-    for name in ("outputs", "exceptions"):
-        if history is not None and hasattr(history, name):
-            setattr(history, name, _NoOutputHistory())
+_budgets: Any = None  # ``_kernel_budget``, once install() has executed it
 
 
 _state: dict[str, Any] = {"result": None, "tools": {}, "budget": None}
@@ -329,95 +188,8 @@ def _sealed(payloads: Any) -> list[Any]:
         if not (isinstance(p, dict) and p.get("source") == ERROR_PAYLOAD)
     ]
     if kind:
-        kept.append({"source": ERROR_PAYLOAD, "kind": kind})
+        kept.append({"source": ERROR_PAYLOAD, ERROR_KIND: kind})
     return kept
-
-
-def _skip_empty_flush(stream: Any) -> None:
-    """Make ``flush()`` return at once when nothing is buffered.
-
-    ipykernel flushes stdout and stderr several times per execution, and each flush is a round
-    trip to its IOPub thread even with nothing to send (about a tenth of a warm call's kernel
-    time, measured with py-spy). A write always sets ``_flush_pending`` until its data is
-    flushed, so when neither flag is set there is nothing a flush could send.
-    """
-    original = stream.flush
-    if not hasattr(stream, "_flush_pending"):
-        return  # an ipykernel without these internals: keep its behaviour
-
-    def flush() -> None:
-        if stream._flush_pending or getattr(stream, "_subprocess_flush_pending", False):
-            original()
-
-    stream.flush = flush
-
-
-def _wait_for_fd_output(readers: list[Any], streams: list[Any]) -> None:
-    """Let the fd-capture threads hand over output written before the run ended.
-
-    C-level and subprocess output reaches the kernel through a pipe that a thread reads; at the
-    end of a run some of it may be in the pipe still, or read but not yet written to the stream,
-    and it would then be sent after the run is over (and lost to the caller). kernelexec's own
-    readers (``_kernel_output.PipeReader``) say exactly when they have caught up. For a stream
-    still read by ipykernel's thread (an ipykernel the reader does not fit) this can only wait
-    while its pipe has data, at most 50 ms, and a moment for the chunk in the thread's hands.
-    """
-    for reader in readers:
-        reader.catch_up()
-    fds = [s._fid for s in streams if isinstance(getattr(s, "_fid", None), int)]
-    if not fds:
-        return
-    deadline = time.monotonic() + 0.05
-    waited = False
-    poller = select.poll()  # not select(): a descriptor above 1023 is fine here
-    for fd in fds:
-        poller.register(fd, select.POLLIN)
-    while time.monotonic() < deadline:
-        try:
-            readable = [fd for fd, ev in poller.poll(0) if ev & select.POLLIN]
-        except (OSError, ValueError):
-            return
-        if not readable:
-            break
-        waited = True
-        time.sleep(0.0005)
-    if waited:
-        time.sleep(0.001)  # the reader holds the last chunk for a moment before writing it
-
-
-def _fast_dates() -> None:
-    """Parse the dates in every incoming message's headers with ``datetime.fromisoformat``.
-
-    jupyter-client's ``Session.deserialize`` parses them with dateutil, about 12 us per header
-    and a twelfth of a served call's kernel time (py-spy). Python 3.11's ``fromisoformat``
-    reads the same ISO 8601 strings to the same values; anything it refuses (and every
-    string on older Pythons) goes the original way.
-    """
-    # Already imported by ipykernel; looked up, not imported (this module is standard library
-    # only: another kernel may lack jupyter-client).
-    session = sys.modules.get("jupyter_client.session")
-    jsonutil = sys.modules.get("jupyter_client.jsonutil")
-    if session is None or jsonutil is None:
-        return
-    original: Any = getattr(session, "extract_dates", None)
-    pattern = getattr(jsonutil, "ISO8601_PAT", None)
-    ensure_tz = getattr(jsonutil, "_ensure_tzinfo", None)
-    if original is None or pattern is None or ensure_tz is None or sys.version_info < (3, 11):
-        return
-
-    def extract_dates(obj: Any) -> Any:
-        if isinstance(obj, dict):
-            return {key: extract_dates(value) for key, value in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return [extract_dates(item) for item in obj]
-        if isinstance(obj, str) and pattern.match(obj):
-            try:
-                return ensure_tz(datetime.datetime.fromisoformat(obj))
-            except ValueError:
-                return original(obj)
-        return obj
-
-    setattr(session, "extract_dates", extract_dates)  # noqa: B010 (not exported: mypy)
 
 
 def _fast_report(expression: str) -> None:
@@ -441,10 +213,6 @@ def _fast_report(expression: str) -> None:
     shell.user_expressions = user_expressions
 
 
-OUTPUT_MODULE_NAME = "__kernelexec_output__"
-"""The name ``_kernel_output.py`` (flow control, whole characters) is installed under."""
-
-
 def _load_module(name: str, source: Any) -> Any:
     """Execute a companion module's source (sent with this one's) as module ``name``."""
     if not isinstance(source, str):
@@ -457,12 +225,15 @@ def _load_module(name: str, source: Any) -> Any:
 
 def install() -> None:
     """Set up the kernel for kernelexec; called once after the kernel starts."""
+    global _budgets
     cfg = _payload()
     if "debugpy" in sys.modules and sys.modules["debugpy"] is None:
         del sys.modules["debugpy"]  # blocked only while ipykernel started (see the launcher)
     if hasattr(sys, "set_int_max_str_digits"):
         sys.set_int_max_str_digits(0)  # big integers cross as JSON both ways (see the README)
-    budget = _Budget(int(cfg.get("max_output_chars", 1_000_000)))
+    _budgets = _load_module(BUDGET_MODULE_NAME, cfg.get(INSTALL_BUDGET_SOURCE))
+    tuning = _load_module(TUNING_MODULE_NAME, cfg.get(INSTALL_TUNING_SOURCE))
+    budget = _budgets.Budget(int(cfg.get("max_output_chars", 1_000_000)))
     _state["budget"] = budget
     if cfg.get("title_source"):
         titles: dict[str, Any] = {}
@@ -471,12 +242,12 @@ def install() -> None:
     shell = _ip()
     _state["shell"] = shell
     kernel = shell.kernel
-    _keep_no_output_history(shell)
-    _quiet_debug_log(kernel)
+    tuning.keep_no_output_history(shell)
+    tuning.quiet_debug_log(kernel)
     streams = [s for s in (sys.stdout, sys.stderr) if hasattr(s, "session")]
-    output = _load_module(OUTPUT_MODULE_NAME, cfg.get("output_source"))
+    output = _load_module(OUTPUT_MODULE_NAME, cfg.get(INSTALL_OUTPUT_SOURCE))
     gate = None
-    readers: list[Any] = []  # kernelexec's readers of the captured fds (see _wait_for_fd_output)
+    readers: list[Any] = []  # kernelexec's readers of the captured fds (see wait_for_fd_output)
     if output is not None:
         for stream in streams:
             reader = output.decode_whole_characters(stream)
@@ -490,17 +261,17 @@ def install() -> None:
         session = getattr(owner, "session", None)
         if session is not None and id(session) not in guarded:
             guarded.add(id(session))
-            _guard_session(session, budget, gate)
+            _budgets.guard_session(session, budget, gate)
     if cfg.get("fast_paths", True):
         for stream in (sys.stdout, sys.stderr):
             if hasattr(stream, "session"):  # an ipykernel OutStream
-                _skip_empty_flush(stream)
+                tuning.skip_empty_flush(stream)
     if cfg.get("fast_paths", True):
-        _fast_dates()
+        tuning.fast_dates()
     if cfg.get("fast_paths", True) and cfg.get("report_expression"):
         _fast_report(cfg["report_expression"])
     polled = [s for s in streams if all(r.stream is not s for r in readers)]
-    shell.events.register("post_execute", lambda: _wait_for_fd_output(readers, polled))
+    shell.events.register("post_execute", lambda: tuning.wait_for_fd_output(readers, polled))
     shell.events.register("pre_execute", lambda: budget.reset(_run_id()))
     shell.events.register("pre_execute", lambda: _state.pop("verdict", None))
     shell.events.register("pre_execute", configure)
@@ -514,7 +285,7 @@ def install() -> None:
         _leave_env()
         if isinstance(reply_content, dict):
             reply_content["payload"] = _sealed(reply_content.get("payload"))
-        _account(budget, parent, reply_content)
+        _budgets.account(budget, parent, reply_content)
         return finish_metadata(parent, metadata, reply_content)
 
     kernel.finish_metadata = finish
@@ -522,22 +293,8 @@ def install() -> None:
     if cfg.get("fast_calls", True):
         handlers["call"] = (CALL_REQUEST, _call_handler(kernel, shell, budget))
     served = _serve(kernel, handlers)
-    shell.payload_manager.write_payload({"source": CAPABILITIES_PAYLOAD, "serves": served})
-    _return_free_memory()
-
-
-def _return_free_memory() -> None:
-    """Give the C heap's free pages back to the system once the kernel is up.
-
-    Starting a kernel leaves a few MiB of freed, still-resident heap (its configuration,
-    compiling this module): returned, an idle forked kernel holds about 2 MiB less
-    (glibc's ``malloc_trim``, measured; 1 ms). Elsewhere nothing happens.
-    """
-    import ctypes
-
-    gc.collect()
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).malloc_trim(0)
+    shell.payload_manager.write_payload({"source": CAPABILITIES_PAYLOAD, SERVES: served})
+    tuning.return_free_memory()
 
 
 def _serve(kernel: Any, handlers: dict[str, tuple[str, Any]]) -> list[str]:
@@ -569,7 +326,7 @@ def _serve(kernel: Any, handlers: dict[str, tuple[str, Any]]) -> list[str]:
     return sorted(handlers)
 
 
-def _call_handler(kernel: Any, shell: Any, budget: _Budget) -> Any:
+def _call_handler(kernel: Any, shell: Any, budget: Any) -> Any:
     async def handler(stream: Any, ident: Any, parent: Any) -> None:
         await _serve_call(kernel, shell, budget, stream, ident, parent)
 
@@ -590,7 +347,7 @@ def _fence_handler(kernel: Any) -> Any:
 
 
 async def _serve_call(
-    kernel: Any, shell: Any, budget: _Budget, stream: Any, ident: Any, parent: Any
+    kernel: Any, shell: Any, budget: Any, stream: Any, ident: Any, parent: Any
 ) -> None:
     """Run one tool call and answer in the reply, as an execute request would have.
 
@@ -613,7 +370,7 @@ async def _serve_call(
         if forward is not None:
             forward(False)
         try:
-            value = await acall() if spec.get("async") else call()
+            value = await acall() if spec.get(CALL_ASYNC) else call()
             if value is not None:
                 _show_result(shell, value)
         except SystemExit:
@@ -635,7 +392,7 @@ async def _serve_call(
         }
         reply["payload"] = _sealed(list(shell.payload_manager.read_payload()))
         shell.payload_manager.clear_payload()
-        _account(budget, parent, reply)
+        _budgets.account(budget, parent, reply)
     except BaseException as exc:  # a fault of kernelexec's own: answer rather than go silent
         reply = {
             "status": "error",
@@ -682,44 +439,15 @@ def _show_result(shell: Any, value: Any) -> None:
     hook.finish_displayhook()
 
 
-def _quiet_debug_log(kernel: Any) -> None:
-    """Raise the kernel logger's level to what its handlers let through.
-
-    traitlets sets an application's logger to DEBUG and filters in its handler, so each of the
-    debug lines ipykernel logs for every message builds a log record that is then thrown away
-    (about a tenth of a served call's kernel time, measured with py-spy).
-    """
-    log = getattr(kernel, "log", None)
-    handlers = getattr(log, "handlers", None)
-    if not isinstance(log, logging.Logger) or not handlers or log.level > logging.DEBUG:
-        return
-    least = min(h.level for h in handlers)
-    if least > logging.DEBUG and not log.propagate:
-        log.setLevel(least)
-
-
 def _run_id() -> Any:
-    return _parent_id(_ip().kernel.get_parent())
-
-
-def _account(budget: _Budget, parent: Any, reply: Any) -> None:
-    """Put the run's output count in its reply, and cut the reply's copy of an error."""
-    if not isinstance(reply, dict) or _parent_id(parent) != budget.run_id:
-        return
-    if reply.get("status") == "error":
-        cap_error(reply, budget.error_allowance)
-    with budget.lock:
-        counts = {"sent": budget.sent, "suppressed": budget.suppressed, "limit": budget.limit}
-    payload = reply.get("payload")
-    if isinstance(payload, list):
-        payload.append({"source": OUTPUTS_PAYLOAD, **counts})
+    return _budgets.parent_id(_ip().kernel.get_parent())
 
 
 def _enter_env() -> None:
     """Set a run's per-call environment variables (``pre_execute``); see :func:`_leave_env`."""
     _leave_env()  # a previous overlay is never left behind, whatever ended that run
-    env = _payload().get("env") or {}
-    if env and "name" not in _payload():  # tool calls overlay around the call itself
+    env = _payload().get(RUN_ENV) or {}
+    if env and CALL_NAME not in _payload():  # tool calls overlay around the call itself
         _state["env_saved"] = {key: os.environ.get(key) for key in env}
         os.environ.update(env)
 
@@ -741,7 +469,7 @@ def configure() -> None:
     of the first request a kernel gets from a session, which saves a round trip; that run's
     report also carries the kernel's ``language_info`` (for notebook recordings).
     """
-    cfg = _payload().get("configure")
+    cfg = _payload().get(CONFIGURE)
     if not cfg:
         return
     if cfg.get("cwd"):
@@ -786,11 +514,11 @@ class _Report:
 
     def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
         result, _state["result"] = _state["result"], None
-        report: dict[str, Any] = {"names": user_names(), "result": result}
+        report: dict[str, Any] = {REPORT_NAMES: user_names(), REPORT_RESULT: result}
         for key, hook in _state.get("report_hooks", {}).items():  # e.g. durable checkpoints
             report[key] = hook()
         if _state.get("language_info"):
-            report["language_info"] = _state.pop("language_info")
+            report[REPORT_LANGUAGE_INFO] = _state.pop("language_info")
         return {RESULT_MIME: json.dumps(report, ensure_ascii=False, allow_nan=False)}
 
 
@@ -903,15 +631,15 @@ def _prepare() -> tuple[Any, dict[str, Any], dict[str, Any]]:
     _state["result"] = None
     _state["verdict"] = None
     spec = _payload()
-    name = spec["name"]
+    name = spec[CALL_NAME]
     # The source comes with every call; it is executed only when new or changed, and the
     # function is kept here so user code rebinding the name does not change the tool.
     digest, fn, signature = _state["tools"].get(name, (None, None, None))
-    if digest != spec["digest"]:
-        fn, signature = _define(name, spec["source"], spec["digest"])
-    args = json.loads(spec["args"])
-    if "agent_state" in spec:
-        args["agent_state"] = _load_agent_state(spec["agent_state"])
+    if digest != spec[CALL_DIGEST]:
+        fn, signature = _define(name, spec[CALL_SOURCE], spec[CALL_DIGEST])
+    args = json.loads(spec[CALL_ARGS])
+    if CALL_AGENT_STATE in spec:
+        args["agent_state"] = _load_agent_state(spec[CALL_AGENT_STATE])
     if signature is not None:
         try:
             signature.bind(**args)
@@ -923,7 +651,7 @@ def _prepare() -> tuple[Any, dict[str, Any], dict[str, Any]]:
 @contextlib.contextmanager
 def _call_env(spec: dict[str, Any]) -> Any:
     """The call's own environment variables, set only while the tool runs."""
-    env = spec.get("env") or {}
+    env = spec.get(RUN_ENV) or {}
     saved = {key: os.environ.get(key) for key in env}
     os.environ.update(env)
     try:
@@ -956,7 +684,7 @@ def call() -> Any:
         if callable(close):
             close()  # no "coroutine was never awaited" warning on top of the error
         message = (
-            f"tool {spec['name']!r} returned an awaitable but is not defined with `async def`; "
+            f"tool {spec[CALL_NAME]!r} returned an awaitable but is not defined with `async def`; "
             "kernelexec awaits only async def tools"
         )
         raise _failed(INVALID_TOOL, KernelexecInvalidTool(message))
@@ -1019,18 +747,18 @@ async def _await_interruptibly(awaitable: Any) -> Any:
 
 def _finish(value: Any, args: dict[str, Any], spec: dict[str, Any]) -> Any:
     """Keep the JSON result for ``report``; return ``value`` when the cell should show it."""
-    result: dict[str, Any] = {"return": to_jsonable(value)}
-    if "agent_state" in spec:
-        result["agent_state"] = to_jsonable(args["agent_state"])
-    limit = int(spec.get("max_result_chars", 10_000_000))
+    result: dict[str, Any] = {RESULT_RETURN: to_jsonable(value)}
+    if CALL_AGENT_STATE in spec:
+        result[RESULT_AGENT_STATE] = to_jsonable(args["agent_state"])
+    limit = int(spec.get(CALL_MAX_RESULT_CHARS, 10_000_000))
     for part, data in result.items():
         size = len(json.dumps(data, ensure_ascii=False, allow_nan=False))
         if size > limit:
-            what = "return value" if part == "return" else "agent state"
+            what = "return value" if part == RESULT_RETURN else "agent state"
             message = f"the {what} is {size} characters as JSON; the limit is {limit}"
             raise _failed(RESULT_TOO_LARGE, KernelexecResultTooLarge(message))
     _state["result"] = result
-    return value if spec.get("display") else None
+    return value if spec.get(CALL_DISPLAY) else None
 
 
 def _float(value: float) -> Any:
