@@ -182,7 +182,8 @@ class AsyncKernelExecutor:
         found = self._isolations.get(fingerprint)
         if found is None:
             launch = self._launch(env, interpreter=None)
-            found = self.backend.isolation(launch)
+            # Validated: a backend written for earlier versions returns the report as a dict.
+            found = Isolation.model_validate(self.backend.isolation(launch))
             self._isolations[fingerprint] = found
         return found
 
