@@ -173,8 +173,9 @@ class SandboxPlan:
 
     def disk_cap_mb(self) -> int:
         """The size of the tmpfs made for a kernel's own directory and for each working
-        directory it enters (:mod:`kernelexec._sandbox._disk`); 0 when there is none."""
-        if not self.scratch_mb or self.level != "process" or not self.own_user:
+        directory it enters (:mod:`kernelexec._sandbox._disk`; kernels with users of their own,
+        at "process" or "bwrap"); 0 when there is none."""
+        if not self.scratch_mb or self.level == "none" or not self.own_user:
             return 0
         return self.scratch_mb if _disk.support() is None else 0
 
@@ -371,18 +372,19 @@ def make_plan(
                     )
                 continue
             scratch_mb = int(value)
-            if level == "bwrap":
-                places = "/tmp and /dev/shm: a tmpfs each; not the session directory"
-            elif _disk.support() is None:
-                places = (
-                    "/tmp, /var/tmp and /dev/shm: one tmpfs; HOME (the kernel's own directory) "
-                    "and each session directory it works in: a tmpfs each"
+            places = (
+                "/tmp and /dev/shm: a tmpfs each"
+                if level == "bwrap"
+                else "/tmp, /var/tmp and /dev/shm: one tmpfs"
+            )
+            refused = "the host is not root" if not own_user else _disk.support()
+            if refused is None:
+                places += (
+                    "; HOME (the kernel's own directory) and each session directory it works "
+                    "in: a tmpfs each"
                 )
             else:
-                places = (
-                    "/tmp, /var/tmp and /dev/shm: one tmpfs; not HOME or the session directory "
-                    f"({_disk.support()})"
-                )
+                places += f"; not HOME or the session directory ({refused})"
             text[name] = f"{shown} ({places})"
         elif explicit:
             raise ConfigError(
@@ -444,6 +446,11 @@ def make_plan(
             "bwrap: read-only system directories and interpreter, the session directories and a "
             f"private {scratch_mb} MiB /tmp and /dev/shm writable, nothing else of the host"
         )
+        if scratch_mb and own_user and _disk.support() is None:
+            bounds["filesystem"] += (
+                f"; its own directory and each working directory: a {scratch_mb} MiB tmpfs "
+                "each (a working directory is copied back to the disk when the kernel ends)"
+            )
         bounds["network"] = (
             "the host's (network=True)" if net else "bwrap: own network namespace, loopback only"
         )

@@ -22,7 +22,7 @@ import pytest
 import kernelexec as kx
 from kernelexec._sandbox import _disk
 from kernelexec._tempdirs import sweep_stale
-from tests.hostile.conftest import needs_root
+from tests.hostile.conftest import needs_bwrap, needs_root
 
 pytestmark = [
     needs_root,
@@ -45,8 +45,9 @@ def fill(path, mb):
 """
 
 
-def test_working_directory_and_home_are_capped_and_kept_across_restarts() -> None:
-    with kx.KernelExecutor(limits=kx.Limits(max_disk_mb=32)) as ex:
+@pytest.mark.parametrize("level", ["process", pytest.param("bwrap", marks=needs_bwrap)])
+def test_working_directory_and_home_are_capped_and_kept_across_restarts(level: str) -> None:
+    with kx.KernelExecutor(isolation=level, limits=kx.Limits(max_disk_mb=32)) as ex:
         s = ex.session("disk")
         assert "each session directory it works in" in s.isolation.limits["max_disk_mb"]
         r = s.run_code(
