@@ -105,8 +105,9 @@ class Limits(BaseModel):
         max_disk_mb: What the kernel may write to each of its writable places, in MiB:
             its private scratch space (``/tmp``, ``/var/tmp`` and ``/dev/shm``, one
             size-capped tmpfs at ``"process"`` on a root host, two at ``"bwrap"``) and, on a
-            root host, its own directory (``HOME``) and each session directory it works in (a tmpfs each, copied back to the disk when the kernel
-            ends). Writing past it fails with ``ENOSPC``. Needs a mount namespace
+            root host, its own directory (``HOME``) and each session directory it works in
+            (a tmpfs each, copied back to the disk when the kernel ends). Writing past it
+            fails with ``ENOSPC``. Needs a mount namespace
             (``"bwrap"``, or ``"process"`` on a root host). See ``docs/security.md`` for what
             it does not cover.
     """
