@@ -29,6 +29,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import logging
 import os
 import shutil
 import stat
@@ -39,6 +40,8 @@ import threading
 from functools import lru_cache
 
 from kernelexec._tempdirs import mount_points, process_start_time
+
+log = logging.getLogger("kernelexec")
 
 _MS_NOSUID, _MS_NODEV = 2, 4
 _MNT_DETACH = 2
@@ -174,7 +177,7 @@ def cap(path: str, size_mb: int, uid: int) -> None:
     if not aside:
         return
     try:
-        copy_tree(aside, path)
+        left_out = copy_tree(aside, path, outside_links=False)
     except OSError as exc:
         _unmount(path)
         os.rmdir(path)
@@ -186,6 +189,8 @@ def cap(path: str, size_mb: int, uid: int) -> None:
             ) from None
         raise
     shutil.rmtree(aside, ignore_errors=True)
+    if left_out:
+        log.warning("left out of the capped directory %s: %s", path, ", ".join(left_out))
 
 
 def uncap(path: str) -> None:
@@ -384,11 +389,17 @@ except OSError:
 """
 
 
-def copy_tree(src: str, dst: str) -> list[str]:
+def copy_tree(src: str, dst: str, *, outside_links: bool = True) -> list[str]:
     """Copy the tree at ``src`` into the existing directory ``dst`` as described in the
-    module's docstring; the paths left out (relative to ``src``)."""
+    module's docstring; the paths left out (relative to ``src``).
+
+    With ``outside_links=False`` a file that also has links outside the tree is left out: a
+    link planted to a file elsewhere on the host never reaches a kernel's user (as
+    ``_users.hand_over`` never hands such a file over).
+    """
     skipped: list[str] = []
     linked: dict[tuple[int, int], str] = {}
+    inside = {} if outside_links else _links_inside(src)
     top = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
     stack = [(top, dst, "")]
     try:
@@ -411,6 +422,9 @@ def copy_tree(src: str, dst: str) -> list[str]:
                         os.symlink(os.readlink(name, dir_fd=dirfd), here)
                     elif stat.S_ISREG(st.st_mode):
                         key = (st.st_dev, st.st_ino)
+                        if not outside_links and st.st_nlink > inside.get(key, 1):
+                            skipped.append(os.path.join(rel, name))
+                            continue
                         if st.st_nlink > 1 and key in linked:
                             os.link(linked[key], here)
                             continue
@@ -425,6 +439,19 @@ def copy_tree(src: str, dst: str) -> list[str]:
         for fd, _, _ in stack:
             os.close(fd)
     return skipped
+
+
+def _links_inside(top: str) -> dict[tuple[int, int], int]:
+    """How many links each file with several has inside the tree ``top``."""
+    counts: dict[tuple[int, int], int] = {}
+    for root, _, files in os.walk(top):
+        for name in files:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(root, name))
+                if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
+                    key = (st.st_dev, st.st_ino)
+                    counts[key] = counts.get(key, 0) + 1
+    return counts
 
 
 def _copy_file(dirfd: int, name: str, dest: str) -> None:

@@ -76,6 +76,10 @@ def test_what_the_directory_held_is_moved_in_and_too_much_is_a_clear_error(
     some, full = tmp_path / "some", tmp_path / "full"
     some.mkdir()
     (some / "note.txt").write_text("kept")
+    (some / "pair-a").write_text("both inside")
+    os.link(some / "pair-a", some / "pair-b")
+    (tmp_path / "host-file").write_text("the host's")
+    os.link(tmp_path / "host-file", some / "planted")  # a link to a file outside the tree
     full.mkdir()
     (full / "data").write_bytes(b"y" * (40 << 20))
     uid = 2_000_000_000 - 7  # any uid: nothing runs as it here
@@ -84,6 +88,8 @@ def test_what_the_directory_held_is_moved_in_and_too_much_is_a_clear_error(
         assert str(some) in _disk.mounts()
         assert (some / "note.txt").read_text() == "kept"
         assert some.stat().st_uid == uid
+        assert not (some / "planted").exists()  # left out: its content never reaches the kernel
+        assert os.stat(some / "pair-a").st_ino == os.stat(some / "pair-b").st_ino
         assert not [p for p in tmp_path.iterdir() if p.name.startswith(".kx-")]
     finally:
         _disk.uncap(str(some))
@@ -92,7 +98,8 @@ def test_what_the_directory_held_is_moved_in_and_too_much_is_a_clear_error(
         _disk.cap(str(full), 32, uid)
     assert str(full) not in _disk.mounts()
     assert (full / "data").stat().st_size == 40 << 20  # left as it was
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "some"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["full", "host-file", "some"]
+    assert (tmp_path / "host-file").read_text() == "the host's"
 
 
 def test_copy_back_keeps_holes_and_links_and_follows_nothing(tmp_path: Path) -> None:

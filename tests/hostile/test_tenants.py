@@ -201,13 +201,20 @@ def test_a_planted_hard_link_does_not_hand_a_host_file_over() -> None:
         with kx.KernelExecutor(isolation="bwrap") as ex:
             s = ex.session("link")
             assert s.run_code("open('mine.txt', 'w').write('k')").ok
-            os.link(outside, s.workdir / "planted")  # as a kernel would, were links allowed
-            s.restart()
+            # Planted while no kernel works there (a capped directory is a tmpfs of its own:
+            # no link to a host file can be made in it), as a kernel would, were links allowed.
+            s.close()
+            os.link(outside, s.workdir / "planted")
+            s = ex.session("link")  # the same directory, a new kernel and user
+            capped = "each session directory" in s.isolation.limits["max_disk_mb"]
             assert s.run_code("open('mine.txt').read()").result == "'k'"
             assert (s.workdir / "mine.txt").stat().st_uid >= 2_000_000_000  # the new user's
             assert outside.stat().st_uid == 0  # the linked host file was not handed over
-            denied = s.run_code("open('planted', 'a').write('x')")
-            assert denied.error is not None and denied.error.ename == "PermissionError"
+            if capped:  # left out of the copy into the tmpfs: neither the file nor its content
+                assert s.run_code("import os; os.path.exists('planted')").result == "False"
+            else:
+                denied = s.run_code("open('planted', 'a').write('x')")
+                assert denied.error is not None and denied.error.ename == "PermissionError"
             s.close()
             # A later kernel may get the same uid: nothing stays owned by the ended kernel's.
             owners = {p.stat().st_uid for p in [s.workdir, *s.workdir.iterdir()]}
