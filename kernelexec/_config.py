@@ -225,4 +225,4 @@ class ExecutorOptions(TypedDict, total=False):
     setup_code: str | None
 
 
-public(ExecutorConfig, ExecutorOptions)
+public(__name__)

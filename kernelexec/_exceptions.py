@@ -222,27 +222,4 @@ def describe_problems(errors: Iterable[Mapping[str, Any]], default: str = "value
     return "; ".join(parts)
 
 
-public(
-    BackgroundTaskError,
-    BranchError,
-    BranchingNotSupportedError,
-    CheckpointTooLargeError,
-    ConfigError,
-    EnvSetupError,
-    ExecutionError,
-    ExecutionTimeout,
-    ExecutorClosedError,
-    FileTransferError,
-    HostLimitError,
-    KernelExecError,
-    KernelStartError,
-    NotebookError,
-    PathRefusedError,
-    PoolExhaustedError,
-    RequirementsMissingError,
-    SessionFileError,
-    SetupCodeError,
-    StateError,
-    ToolDefinitionError,
-    ToolSchemaWarning,
-)
+public(__name__)

@@ -437,15 +437,4 @@ class RunRecord(BaseModel):
     language_info: dict[str, Any] | None = None
 
 
-public(
-    ExecError,
-    Execution,
-    HibernatedAgent,
-    Hibernation,
-    HostCall,
-    HostCallContext,
-    Isolation,
-    Limits,
-    Restored,
-    ToolResult,
-)
+public(__name__)

@@ -5,23 +5,29 @@ from __future__ import annotations
 
 import inspect
 import sys
+import types
 import typing
 
 PACKAGE = "kernelexec"
 
 
-def public(*objects: type | object) -> None:
-    """Name the package as the module of ``objects`` (the names ``kernelexec/__init__.py``
-    exports). Call it at the end of the defining module, once its classes are built: pydantic
-    resolves a model's annotations in its module's namespace while it builds the model.
+def public(module: str) -> None:
+    """Name the package as the module of what ``kernelexec/__init__.py`` exports from
+    ``module`` (its ``_EXPORTS``, the one list of public names). Call it as
+    ``public(__name__)`` at the end of the defining module, once its classes are built:
+    pydantic resolves a model's annotations in its module's namespace while it builds the model.
 
     A class's own annotations are resolved first, in the defining module: ``typing.get_type_hints``
     looks names up in the module a class names, and ``kernelexec`` itself imports lazily.
     """
-    for obj in objects:
+    exports: dict[str, str] = getattr(sys.modules[PACKAGE], "_EXPORTS", {})
+    namespace = vars(sys.modules[module])
+    for name, where in exports.items():
+        obj = namespace.get(name) if where == module else None
         if isinstance(obj, type):
             _resolve_annotations(obj)
-        obj.__module__ = PACKAGE
+        if isinstance(obj, type | types.FunctionType):
+            obj.__module__ = PACKAGE
 
 
 def _resolve_annotations(cls: type) -> None:

@@ -255,4 +255,4 @@ async def areplay(
     return report
 
 
-public(areplay, CellDifference, ReplayReport)
+public(__name__)

@@ -414,4 +414,4 @@ def replay(path: str | Path, **kwargs: Any) -> ReplayReport:
         portal.stop()
 
 
-public(KernelExecutor, replay, Session, Snapshot)
+public(__name__)

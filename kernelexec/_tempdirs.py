@@ -95,13 +95,18 @@ def remove_tree(path: str) -> None:
     directory, :mod:`kernelexec._sandbox._disk`), which rmtree cannot remove."""
     real = os.path.realpath(path)
     below = [p for p, _, _ in mount_points() if p == real or p.startswith(real + "/")]
-    if below:
-        import ctypes
-
-        libc = ctypes.CDLL(None, use_errno=True)
-        for point in sorted(below, key=len, reverse=True):
-            libc.umount2(point.encode(), 2)  # MNT_DETACH
+    for point in sorted(below, key=len, reverse=True):
+        detach(point)
     shutil.rmtree(path, ignore_errors=True)
+
+
+def detach(point: str) -> int:
+    """Detach the mount at ``point`` (``umount2`` with ``MNT_DETACH``); 0, or the errno."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
+    return 0 if libc.umount2(point.encode(), 2) == 0 else ctypes.get_errno()
 
 
 def sweep_stale(root: str | None = None) -> list[str]:

@@ -300,4 +300,4 @@ def _remove(path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-public(AsyncSnapshot)
+public(__name__)

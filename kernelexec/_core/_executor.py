@@ -675,4 +675,4 @@ def _resolve_backend(
     )
 
 
-public(AsyncKernelExecutor)
+public(__name__)

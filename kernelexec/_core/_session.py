@@ -805,4 +805,4 @@ def _env_problem(env_vars: Any) -> str | None:
     return None
 
 
-public(AsyncSession)
+public(__name__)

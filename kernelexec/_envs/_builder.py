@@ -407,4 +407,4 @@ def prune_envs(cache_dir: Path, older_than_s: float | None = None) -> list[str]:
     return removed
 
 
-public(BuiltEnv, EnvBuilder, EnvProgress)
+public(__name__)

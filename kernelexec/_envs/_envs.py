@@ -254,4 +254,4 @@ def _installed_here(line: str) -> bool:
     return req.url is not None or req.specifier.contains(version, prereleases=True)
 
 
-public(LocalEnv, VenvEnv)
+public(__name__)

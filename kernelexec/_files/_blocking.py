@@ -228,10 +228,4 @@ class BlockingBackgroundCommand:
         return self._inner.result(timed_out=timed_out)
 
 
-public(
-    BlockingBackgroundCommand,
-    BlockingFileReader,
-    BlockingFileWriter,
-    SessionCommands,
-    SessionFiles,
-)
+public(__name__)

@@ -208,4 +208,4 @@ def _argv(command: str | Sequence[str]) -> list[str]:
     return argv
 
 
-public(AsyncSessionCommands, BackgroundCommand, CommandResult)
+public(__name__)

@@ -347,4 +347,4 @@ class FileWriter(_Stream):
             await self._end()  # an unfinished upload is removed in the kernel
 
 
-public(AsyncSessionFiles, FileReader, FileWriter)
+public(__name__)

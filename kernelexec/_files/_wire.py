@@ -214,4 +214,4 @@ def raise_for_reply(content: dict[str, Any], path: str) -> None:
     raise FileTransferError(f"file operation on {path!r} failed in the kernel: {message}")
 
 
-public(FileInfo)
+public(__name__)

@@ -39,12 +39,11 @@ import tempfile
 import threading
 from functools import lru_cache
 
-from kernelexec._tempdirs import mount_points, process_start_time
+from kernelexec._tempdirs import detach, mount_points, process_alive, process_start_time
 
 log = logging.getLogger("kernelexec")
 
 _MS_NOSUID, _MS_NODEV = 2, 4
-_MNT_DETACH = 2
 _SOURCE_PREFIX = "kx-work:"
 _INODES_PER_MB = 256  # one per 4 KiB written, on average: a cap on entries the copy back walks
 
@@ -112,7 +111,6 @@ def _libc() -> ctypes.CDLL:
         ctypes.c_ulong,
         ctypes.c_char_p,
     )
-    libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
     return libc
 
 
@@ -134,8 +132,8 @@ def _mount(path: str, size_mb: int, uid: int) -> None:
 
 
 def _unmount(path: str) -> None:
-    if _libc().umount2(path.encode(), _MNT_DETACH) != 0:
-        err = ctypes.get_errno()
+    err = detach(path)
+    if err:
         raise DiskError(err, f"unmounting {path}: {os.strerror(err)}")
 
 
@@ -311,22 +309,12 @@ def _sweep() -> list[str]:
             pid = int(pid_text)
         except ValueError:
             continue
-        if _alive(pid, start):
+        if process_alive(pid, start):
             continue
         with contextlib.suppress(OSError):
             uncap(path)
             done.append(path)
     return done
-
-
-def _alive(pid: int, start: str) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        pass
-    return not start or process_start_time(pid) in ("", start)
 
 
 @lru_cache(maxsize=1)

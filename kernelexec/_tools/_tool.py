@@ -284,4 +284,4 @@ def _parse_functions(source: str) -> dict[str, ast.FunctionDef | ast.AsyncFuncti
     }
 
 
-public(Tool)
+public(__name__)
