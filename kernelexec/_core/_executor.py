@@ -404,6 +404,9 @@ class AsyncKernelExecutor:
             env=cfg.env_vars if self.backend.filters_env else None,
         )
         lease.carry_lost(self._registry.take_lost(key))
+        lease.private_dirs = tuple(
+            str(d) for d in (self._workdir, cfg.state_dir, cfg.record_dir) if d is not None
+        )
         if self._store is not None:
             assert isinstance(workdir, Path)
             lease.keeper = SessionState(

@@ -22,6 +22,7 @@ from kernelexec._exceptions import ConfigError, StateError
 from kernelexec._models import Hibernation, Restored
 from kernelexec._proctitle import kernel_title
 from kernelexec._protocol._host import ExecuteRequest
+from kernelexec._sandbox._lend import check as check_lendable
 from kernelexec.backends._base import KernelConnection
 
 log = logging.getLogger("kernelexec.kernel")
@@ -82,6 +83,9 @@ class KernelLease:
         """The session's durable state (with a ``state_dir``): saved before the kernel goes,
         restored into the next one."""
         self._restored: Restored | None = None
+        self._lent: dict[str, str | None] = {}  # host directory -> where its changes go
+        self.private_dirs: tuple[str, ...] = ()
+        """The executor's own directories, which no directory lent to the kernel may overlap."""
 
     @property
     def busy(self) -> bool:
@@ -128,6 +132,33 @@ class KernelLease:
         self._names = names
         if old is None and self.on_attached is not None:
             self.on_attached()
+
+    async def lend(self, path: str, *, copy_on_write: bool) -> str:
+        """Show the host directory ``path`` to the session's kernels, at the same path, from
+        now on (:mod:`kernelexec._sandbox._lend`): copy on write, the changes kept in the
+        session's working directory, or read-only. Nothing happens again for a directory lent
+        already (in either way), or one inside it. Returns its real path.
+
+        Where kernels run as the host's user the kernel sees the directory already and works
+        in it directly: nothing is mounted.
+
+        Raises:
+            ConfigError: ``path`` is not a directory, or overlaps the executor's own.
+            KernelStartError: it could not be shown to the kernel (the message says why).
+        """
+        real = check_lendable(path, self.private_dirs)
+        if self._is_lent(real):
+            return real
+        async with self.hold():
+            if not self._is_lent(real):
+                where = self._workdir if copy_on_write else None
+                if self._conn is not None:
+                    await self._conn.lend(real, where)
+                self._lent[real] = where
+        return real
+
+    def _is_lent(self, path: str) -> bool:
+        return any(path == p or path.startswith(p.rstrip("/") + "/") for p in self._lent)
 
     @asynccontextmanager
     async def hold(self) -> AsyncIterator[None]:
@@ -308,6 +339,8 @@ class KernelLease:
         restored into it, and a saved checkpoint of this session is stale."""
         assert self._conn is not None
         await self._conn.enter_workdir(self._workdir)
+        for path, where in self._lent.items():
+            await self._conn.lend(path, where)
         self.generation += 1
         self._names = ()
         self._fresh = True

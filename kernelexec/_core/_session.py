@@ -161,7 +161,8 @@ class AsyncSession:
 
     @property
     def lease(self) -> KernelLease:
-        """The session's hold on its kernel (for the executor's budget)."""
+        """The session's hold on its kernel (for the executor's budget, and for adapters that
+        lend host directories to the session's kernels)."""
         return self._lease
 
     @property

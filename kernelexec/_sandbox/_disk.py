@@ -16,7 +16,9 @@ A tmpfs is memory (then swap): the pages a kernel writes count against its ``mem
 The copy back is of a tree a tenant made: it is walked through directory descriptors without
 following links; plain files are copied with their holes (a sparse file stays sparse), a file
 with several links is copied once and linked, links are recreated as links, anything else
-(FIFOs, sockets, devices) is left out. The tmpfs's inode cap bounds how many entries there are.
+(FIFOs, sockets, devices) is left out, except overlayfs's whiteouts (the character device 0:0,
+which no driver answers): they keep a file the kernel removed from a directory lent to it copy
+on write (:mod:`._lend`) removed. The tmpfs's inode cap bounds how many entries there are.
 
 Each mount's source names its host process (``kx-work:<pid>:<start>``): :func:`sweep` copies
 back and removes the mounts of hosts that were killed before they could.
@@ -24,7 +26,6 @@ back and removes the mounts of hosts that were killed before they could.
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import ctypes
 import errno
@@ -36,9 +37,9 @@ import stat
 import subprocess
 import sys
 import tempfile
-import threading
 from functools import lru_cache
 
+from kernelexec._sandbox import _nshelper
 from kernelexec._tempdirs import detach, mount_points, process_alive, process_start_time
 
 log = logging.getLogger("kernelexec")
@@ -46,56 +47,6 @@ log = logging.getLogger("kernelexec")
 _MS_NOSUID, _MS_NODEV = 2, 4
 _SOURCE_PREFIX = "kx-work:"
 _INODES_PER_MB = 256  # one per 4 KiB written, on average: a cap on entries the copy back walks
-
-# The helper that shows host mounts to kernels: one process per host process, started on first
-# use, serving one request per line ("<pid>\t<path>") with "ok" or "error <why>". setns into
-# another mount namespace needs a single-threaded caller, and the helper comes back to its own
-# namespace after each request. It ends when the host does (its stdin closes). Root only.
-_HELPER = r"""
-import ctypes, os, sys
-libc = ctypes.CDLL(None, use_errno=True)
-libc.prctl(15, b"kx-disk-helper", 0, 0, 0)  # PR_SET_NAME: how ps and tests tell it apart
-OPEN_TREE, MOVE_MOUNT = 428, 429  # the same numbers on every architecture since Linux 5.2
-NEWNS = 0x00020000
-home = os.open("/proc/self/ns/mnt", os.O_RDONLY)
-
-def fail(what):
-    err = ctypes.get_errno()
-    raise OSError(err, what + ": " + os.strerror(err))
-
-def show(pid, path):
-    tree = libc.syscall(OPEN_TREE, -100, path.encode(), 1 | 0x80000 | 0x8000)
-    if tree < 0:
-        fail("open_tree " + path)
-    try:
-        ns = os.open("/proc/" + pid + "/ns/mnt", os.O_RDONLY)
-        try:
-            if libc.setns(ns, NEWNS) != 0:
-                fail("setns into the kernel's mount namespace")
-            try:
-                if libc.syscall(MOVE_MOUNT, tree, b"", -100, path.encode(), 4) != 0:
-                    fail("move_mount onto " + path)
-            finally:
-                if libc.setns(home, NEWNS) != 0:
-                    os._exit(3)  # cannot come back: let the host start another helper
-                os.chdir("/")
-        finally:
-            os.close(ns)
-    finally:
-        os.close(tree)
-
-for line in sys.stdin:
-    pid, _, path = line.rstrip("\n").partition("\t")
-    try:
-        show(pid, path)
-        sys.stdout.write("ok\n")
-    except Exception as exc:
-        sys.stdout.write("error " + str(exc).replace("\n", " ") + "\n")
-    sys.stdout.flush()
-"""
-
-_helper: subprocess.Popen[str] | None = None
-_helper_lock = threading.Lock()
 
 
 class DiskError(OSError):
@@ -213,61 +164,16 @@ def uncap(path: str) -> None:
 
 def show_to(pid: int, path: str) -> None:
     """Put the host's mount at ``path`` into the mount namespace of process ``pid``, at the same
-    path (see the module's docstring); about a millisecond, through the helper process.
+    path (see the module's docstring); about a millisecond, through the namespace helper.
 
     Raises:
         DiskError: it did not work (the message has the helper's reason).
     """
-    global _helper
-    request = f"{pid}\t{os.path.realpath(path)}\n"
-    with _helper_lock:
-        for _attempt in (1, 2):
-            helper = _helper
-            if helper is None or helper.poll() is not None:
-                helper = _helper = subprocess.Popen(
-                    [sys.executable, "-I", "-S", "-c", _HELPER],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    stderr=subprocess.DEVNULL,
-                    text=True,
-                    cwd="/",
-                )
-            assert helper.stdin is not None and helper.stdout is not None
-            try:
-                helper.stdin.write(request)
-                helper.stdin.flush()
-                answer = helper.stdout.readline().strip()
-            except OSError:
-                answer = ""
-            if answer == "ok":
-                return
-            if answer:
-                raise DiskError(errno.EIO, f"giving the kernel its capped directory: {answer[6:]}")
-            _stop(helper)  # it died: once more with a new one
-            _helper = None
-    raise DiskError(errno.EIO, "giving the kernel its capped directory: the helper died")
-
-
-def _stop(helper: subprocess.Popen[str]) -> None:
-    """End the helper: its stdin closed, it returns (killed if it does not)."""
-    for pipe in (helper.stdin, helper.stdout):
-        with contextlib.suppress(OSError):
-            if pipe is not None:
-                pipe.close()
     try:
-        helper.wait(timeout=5)
-    except subprocess.TimeoutExpired:
-        helper.kill()
-        helper.wait()
-
-
-@atexit.register
-def _stop_helper() -> None:
-    global _helper
-    with _helper_lock:
-        if _helper is not None:
-            _stop(_helper)
-            _helper = None
+        _nshelper.request("show", pid=pid, path=os.path.realpath(path))
+    except _nshelper.HelperError as exc:
+        why = exc.strerror
+        raise DiskError(errno.EIO, f"giving the kernel its capped directory: {why}") from None
 
 
 _swept = False
@@ -405,6 +311,7 @@ def copy_tree(src: str, dst: str, *, outside_links: bool = True) -> list[str]:
                             name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd
                         )
                         os.mkdir(here, stat.S_IMODE(st.st_mode) & 0o777 | 0o700)
+                        _keep_opaque(fd, here)
                         stack.append((fd, here, os.path.join(rel, name)))
                     elif stat.S_ISLNK(st.st_mode):
                         os.symlink(os.readlink(name, dir_fd=dirfd), here)
@@ -419,6 +326,8 @@ def copy_tree(src: str, dst: str, *, outside_links: bool = True) -> list[str]:
                         _copy_file(dirfd, name, here)
                         if st.st_nlink > 1:
                             linked[key] = here
+                    elif stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
+                        os.mknod(here, stat.S_IFCHR | 0o600, 0)  # a whiteout (see above)
                     else:
                         skipped.append(os.path.join(rel, name))
             finally:
@@ -427,6 +336,20 @@ def copy_tree(src: str, dst: str, *, outside_links: bool = True) -> list[str]:
         for fd, _, _ in stack:
             os.close(fd)
     return skipped
+
+
+_OPAQUE = "trusted.overlay.opaque"
+
+
+def _keep_opaque(fd: int, dest: str) -> None:
+    """Keep overlayfs's mark on a directory that hides what the lower layer has there (one
+    the kernel removed and made again); only root can set it, so a tenant cannot forge it."""
+    try:
+        value = os.getxattr(fd, _OPAQUE)
+    except OSError:
+        return
+    with contextlib.suppress(OSError):
+        os.setxattr(dest, _OPAQUE, value, follow_symlinks=False)
 
 
 def _links_inside(top: str) -> dict[tuple[int, int], int]:

@@ -177,6 +177,19 @@ class KernelConnection(abc.ABC):
         """
         return None
 
+    async def lend(self, path: str, workdir: str | None) -> None:
+        """Show the host directory ``path`` (checked by the caller) to this kernel at the same
+        path: copy on write into the session's working directory ``workdir``, where the
+        kernel's changes go, or read-only when ``workdir`` is None.
+
+        Called by the session's lease for each directory lent to the session: once when it is
+        lent, and again for each fresh kernel, after :meth:`enter_workdir`. The default does
+        nothing: a kernel that runs as the host's user sees the host's directories already
+        (and works in the lent directory itself). A backend that runs kernels as users of
+        their own, in namespaces of their own, mounts the directory into the kernel's.
+        """
+        return None
+
     def connection_info(self) -> dict[str, Any] | None:
         """A Jupyter connection file's content (transport, addresses, key) with which another
         client on this machine can reach the kernel, or None when it cannot (the default).

@@ -39,7 +39,7 @@ from jupyter_client.manager import AsyncKernelManager
 from kernelexec import _proctitle
 from kernelexec._exceptions import ConfigError, KernelStartError
 from kernelexec._models import Isolation, IsolationLevel
-from kernelexec._sandbox import _cgroups, _disk, _uids, _users
+from kernelexec._sandbox import _cgroups, _disk, _lend, _uids, _users
 from kernelexec._sandbox._plan import NO_SANDBOX, KernelSetup, SandboxPlan, make_plan
 from kernelexec._tempdirs import make_owned_dir, remove_tree
 from kernelexec.backends import _hostlimits, _wire
@@ -564,6 +564,17 @@ class LocalConnection(KernelConnection):
                 raise KernelStartError(
                     f"could not cap the working directory {path}: {exc}"
                 ) from None
+
+    async def lend(self, path: str, workdir: str | None) -> None:
+        if self._uid is None:
+            return
+        pid = self.kernel_pid()
+        if pid is None:
+            raise KernelStartError(f"the kernel ended before {path} could be lent to it")
+        try:
+            await asyncio.to_thread(_lend.lend, pid, path, self._uid, workdir)
+        except OSError as exc:
+            raise KernelStartError(f"could not lend {path} to the kernel: {exc}") from None
 
     async def _cap(self, path: str) -> bool:
         """Make ``path`` a tmpfs of ``max_disk_mb`` for this kernel's user where the plan says

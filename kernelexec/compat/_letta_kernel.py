@@ -31,12 +31,12 @@ def _kx_letta_enter(sandbox_dir: str | None) -> None:
         os.makedirs(target, exist_ok=True)
         os.chdir(target)
     except OSError as exc:
-        # A kernel running as its own user (isolation "process" on a root host) reaches only
-        # what other users may search; the rest of a hidden directory is not even there.
+        # The host lends sandbox_dir to a kernel with a user of its own where it can (a root
+        # host); elsewhere (bwrap on a non-root host) the kernel reaches what it is given.
         raise PermissionError(
             f"sandbox_dir {target} is not usable by this tool's kernel (uid {os.getuid()}): "
-            f"{exc.strerror}; make it reachable and writable by other users, or run the "
-            "adapter with configure(isolation='none') as Letta's local sandbox runs tools"
+            f"{exc.strerror}; give the kernels a directory they can reach and write, or run "
+            "the adapter with configure(isolation='none') as Letta's local sandbox runs tools"
         ) from None
     if not sys.path or sys.path[0] != target:
         if target in sys.path:

@@ -20,7 +20,9 @@ attributes. The README lists what differs from Letta's sandbox on purpose.
 
 from __future__ import annotations
 
+import asyncio
 import atexit
+import contextlib
 import functools
 import json
 import os
@@ -261,6 +263,7 @@ class AsyncToolSandboxKernel:
             env_vars,
             timeout,
             self.force_recreate_venv,
+            config.sandbox_dir,
         )
         return _letta_result(result, letta_tool, config, timeout, env)
 
@@ -299,6 +302,7 @@ async def _call(
     env_vars: dict[str, str],
     timeout: float,
     recreate: bool,
+    sandbox_dir: str | None,
 ) -> ToolResult:
     """One run, on the executor's loop."""
     if recreate and isinstance(env, VenvEnv):
@@ -309,6 +313,7 @@ async def _call(
             raise EnvSetupError(
                 f"Failed to install pip requirements for tool {letta_tool.name!r} ({reqs}): {exc}"
             ) from None
+    await _lend(executor, agent, env, sandbox_dir, env_vars.get("PYTHONPATH", ""))
     return await executor.call_tool(
         letta_tool.tool,
         call_args,
@@ -318,6 +323,30 @@ async def _call(
         env_vars=env_vars,
         timeout=timeout,
     )
+
+
+async def _lend(
+    executor: AsyncKernelExecutor,
+    agent: str,
+    env: LocalEnv | VenvEnv,
+    sandbox_dir: str | None,
+    pythonpath: str,
+) -> None:
+    """Let the agent's kernels reach ``sandbox_dir`` and the run's ``PYTHONPATH``, as Letta's
+    script (run as the host's user) does, where kernels run as users of their own: the
+    directory copy on write (the agent's changes kept in its session, the host's directory
+    untouched), the import paths read-only. Where kernels run as the host's user nothing is
+    mounted, and they work in ``sandbox_dir`` itself, as Letta's tools do."""
+    lease = (await executor.session(agent, env)).lease
+    if sandbox_dir is not None:
+        await asyncio.to_thread(os.makedirs, sandbox_dir, exist_ok=True)  # as Letta does
+        await lease.lend(sandbox_dir, copy_on_write=True)
+    for entry in pythonpath.split(os.pathsep):
+        if entry and os.path.isabs(entry):
+            # One it may not lend (not a directory, the executor's own, or one holding the
+            # temp directory) stays as the kernel sees it, as a missing entry would.
+            with contextlib.suppress(ConfigError):
+                await lease.lend(entry, copy_on_write=False)
 
 
 async def _recreate(executor: AsyncKernelExecutor, env: VenvEnv, agent: str) -> None:

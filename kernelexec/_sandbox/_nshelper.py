@@ -1,0 +1,373 @@
+"""The namespace helper: one small root process per host that puts host mounts into a running
+kernel's mount namespace, at ``"process"`` (and ``"bwrap"``) on a root host.
+
+A kernel's mount namespace exists from its launch (kernels are started ahead of need), and a
+mount made on the host later does not reach it; the old ``mount(2)`` bind refuses to cross
+namespaces. The helper builds the mount on the host side as a detached tree (``open_tree``,
+``mount_setattr``, ``fsopen``), enters the kernel's namespace (``setns``), attaches the tree
+there (``move_mount``) and comes back. ``setns`` into a mount namespace needs a
+single-threaded caller, hence a process of its own rather than a thread of the host.
+
+Two requests, one per line as JSON, answered ``ok`` or ``error <why>``:
+
+- ``show``: the host's mount at ``path`` (a capped working directory, :mod:`._disk`), at the
+  same path in the kernel's namespace;
+- ``lend``: the host directory ``path`` (:mod:`._lend`), read-only and as it is, or, with
+  ``workdir`` and ``name``, as an overlay whose lower layer is ``path`` read-only and idmapped
+  so that what the host's user owns appears as the kernel's user's, and whose changes go to
+  ``workdir/.kx-lent/name/upper`` (copy on write: the host's directory never changes). Those
+  layers are opened without following a link and handed to overlayfs as descriptors: the
+  session's directory is the kernel's, and a link planted there must not steer root's writes.
+
+For ``lend`` the mount point is found in the kernel's view without following a link, one
+directory descriptor at a time, and missing directories are made only on a tmpfs (the kernel's
+private ``/tmp``, a read-only bridge over a blocked directory, which is made writable for the
+moment it takes): never on a host filesystem. The helper ends when the host does (its stdin
+closes). Root only.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import errno
+import json
+import subprocess
+import sys
+import threading
+from typing import Any
+
+_SOURCE = r"""
+import ctypes, errno, json, os, struct, sys
+libc = ctypes.CDLL(None, use_errno=True)
+libc.prctl(15, b"kx-disk-helper", 0, 0, 0)  # PR_SET_NAME: how ps and tests tell it apart
+# The same numbers on every architecture since Linux 5.2 (5.12 for mount_setattr).
+OPEN_TREE, MOVE_MOUNT, FSOPEN, FSCONFIG, FSMOUNT, FSPICK, MOUNT_SETATTR = (
+    428, 429, 430, 431, 432, 433, 442)
+NEWNS, NEWUSER = 0x00020000, 0x10000000
+CLONE, CLOEXEC, EMPTY_PATH = 1, 0x80000, 0x1000
+F_EMPTY, T_EMPTY = 0x4, 0x40
+RDONLY, NOSUID, NODEV, IDMAP = 0x1, 0x2, 0x4, 0x100000
+SET_FLAG, SET_STRING, SET_FD, CREATE, RECONFIGURE = 0, 1, 5, 6, 7
+TMPFS = 0x01021994
+home = os.open("/proc/self/ns/mnt", os.O_RDONLY)
+
+
+def fail(what):
+    err = ctypes.get_errno()
+    raise OSError(err, what + ": " + os.strerror(err))
+
+
+def call(what, number, *args):
+    fd = libc.syscall(number, *args)
+    if fd < 0:
+        fail(what)
+    return fd
+
+
+def fs_error(fs):
+    # The filesystem's own words on a failed fsconfig (overlayfs names the layer at fault).
+    words = []
+    while True:
+        try:
+            line = os.read(fs, 1024)
+        except OSError:
+            break
+        if not line:
+            break
+        words.append(line.decode(errors="replace").strip())
+    return "; ".join(words)
+
+
+def in_kernel(pid, work):
+    ns = os.open("/proc/" + str(pid) + "/ns/mnt", os.O_RDONLY)
+    try:
+        if libc.setns(ns, NEWNS) != 0:
+            fail("setns into the kernel's mount namespace")
+        try:
+            return work()
+        finally:
+            if libc.setns(home, NEWNS) != 0:
+                os._exit(3)  # cannot come back: let the host start another helper
+            os.chdir("/")
+    finally:
+        os.close(ns)
+
+
+def show(pid, path):
+    tree = call("open_tree " + path, OPEN_TREE, -100, path.encode(), CLONE | CLOEXEC | 0x8000)
+    try:
+        def attach():
+            if libc.syscall(MOVE_MOUNT, tree, b"", -100, path.encode(), F_EMPTY) != 0:
+                fail("move_mount onto " + path)
+        in_kernel(pid, attach)
+    finally:
+        os.close(tree)
+
+
+def userns(uid, gid):
+    # A user namespace in which the host's user is uid/gid: what an idmapped mount needs.
+    ready_r, ready_w = os.pipe()
+    done_r, done_w = os.pipe()
+    child = os.fork()
+    if child == 0:
+        os.close(ready_r)
+        os.close(done_w)
+        code = 0 if libc.unshare(NEWUSER) == 0 else 1
+        os.write(ready_w, b"x")
+        os.read(done_r, 1)
+        os._exit(code)
+    os.close(ready_w)
+    os.close(done_r)
+    try:
+        os.read(ready_r, 1)
+        with open("/proc/%d/uid_map" % child, "w") as f:
+            f.write("%d %d 1\n" % (os.geteuid(), uid))
+        with open("/proc/%d/gid_map" % child, "w") as f:
+            f.write("%d %d 1\n" % (os.getegid(), gid))
+        return os.open("/proc/%d/ns/user" % child, os.O_RDONLY)
+    finally:
+        os.write(done_w, b"x")
+        os.close(done_w)
+        os.close(ready_r)
+        os.waitpid(child, 0)
+
+
+def set_attrs(tree, attrs, ns=-1):
+    attr = struct.pack("QQQQ", attrs, 0, 0, max(ns, 0))
+    if libc.syscall(MOUNT_SETATTR, tree, b"", EMPTY_PATH, attr, len(attr)) != 0:
+        fail("mount_setattr")
+
+
+def fs_type(fd):
+    buf = ctypes.create_string_buffer(256)
+    if libc.fstatfs(fd, buf) != 0:
+        fail("fstatfs")
+    return struct.unpack_from("l", buf.raw)[0]
+
+
+def reconfigure(root_fd, flag):
+    # The bridge is read-only twice: its superblock and its mount.
+    attr = struct.pack("QQQQ", RDONLY if flag == "ro" else 0, RDONLY if flag == "rw" else 0, 0, 0)
+    fs = call("fspick", FSPICK, root_fd, b"", 1 | 0x8)  # FSPICK_CLOEXEC | FSPICK_EMPTY_PATH
+    try:
+        if flag == "ro" and libc.syscall(MOUNT_SETATTR, root_fd, b"", EMPTY_PATH, attr, 32):
+            fail("mount_setattr ro")
+        if libc.syscall(FSCONFIG, fs, SET_FLAG, flag.encode(), None, 0) != 0:
+            fail("fsconfig " + flag)
+        if libc.syscall(FSCONFIG, fs, RECONFIGURE, None, None, 0) != 0:
+            fail("remounting " + flag)
+        if flag == "rw" and libc.syscall(MOUNT_SETATTR, root_fd, b"", EMPTY_PATH, attr, 32):
+            fail("mount_setattr rw")
+    finally:
+        os.close(fs)
+
+
+def our_bridge(fd):
+    # Whether fd is on a read-only tmpfs kernelexec mounted (a bridge over a blocked directory):
+    # the only read-only place where a mount point is made.
+    with open("/proc/self/fdinfo/%d" % fd) as f:
+        mnt = [line.split()[1] for line in f if line.startswith("mnt_id:")]
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            if mnt and fields[0] == mnt[0]:
+                rest = fields[fields.index("-") + 1:]
+                return rest[:2] == ["tmpfs", "kernelexec"] and "ro" in rest[2].split(",")
+    return False
+
+
+def mount_point(path):
+    # The directory at path in the current (kernel's) view, made where missing on a tmpfs.
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY)
+    roots = {os.fstat(fd).st_dev: os.dup(fd)}  # device -> the first directory seen on it
+    try:
+        where = ""
+        for part in [p for p in path.split("/") if p]:
+            where += "/" + part
+            try:
+                inner = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except FileNotFoundError:
+                if fs_type(fd) != TMPFS:
+                    raise OSError(errno.ENOENT, where + " is missing in the kernel's view")
+                try:
+                    os.mkdir(part, 0o755, dir_fd=fd)
+                except OSError as exc:
+                    if exc.errno != errno.EROFS:
+                        raise
+                    root = roots[os.fstat(fd).st_dev]
+                    if not our_bridge(root):
+                        raise OSError(errno.EROFS, where + ": its parent is read-only")
+                    reconfigure(root, "rw")
+                    try:
+                        os.mkdir(part, 0o755, dir_fd=fd)
+                    finally:
+                        reconfigure(root, "ro")
+                inner = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise OSError(exc.errno, where + " is not a directory in the kernel's view")
+                raise
+            os.close(fd)
+            fd = inner
+            dev = os.fstat(fd).st_dev
+            if dev not in roots:
+                roots[dev] = os.dup(fd)
+        return fd
+    finally:
+        for root in roots.values():
+            os.close(root)
+
+
+def subdir(parent, name, mode=0o700):
+    # parent/name, made if missing, never through a link (the session's directory is its
+    # kernel's: it may have put anything there).
+    try:
+        os.mkdir(name, mode, dir_fd=parent)
+    except FileExistsError:
+        pass
+    return os.open(name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC,
+                   dir_fd=parent)
+
+
+def layers(workdir, name, uid, mode):
+    # Descriptors of the upper and work layers in workdir/.kx-lent/name; the upper's top is
+    # the kernel user's with the lent directory's mode (the merged directory's top takes both).
+    fds = [os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+    try:
+        for part in (".kx-lent", name):
+            fds.append(subdir(fds[-1], part))
+        upper = subdir(fds[-1], "upper")
+        try:
+            os.fchown(upper, uid, uid)
+            os.fchmod(upper, mode)
+            return upper, subdir(fds[-1], "work")
+        except BaseException:
+            os.close(upper)
+            raise
+    finally:
+        for fd in fds:
+            os.close(fd)
+
+
+def lend(pid, path, uid, workdir, name):
+    tree = call("open_tree " + path, OPEN_TREE, -100, path.encode(), CLONE | CLOEXEC)
+    mounted = tree
+    try:
+        if workdir is None:
+            set_attrs(tree, RDONLY | NOSUID | NODEV)
+        else:
+            ns = userns(uid, uid)
+            try:
+                set_attrs(tree, RDONLY | NOSUID | NODEV | IDMAP, ns)
+            finally:
+                os.close(ns)
+            upper, work = layers(workdir, name, uid, os.stat(tree).st_mode & 0o777)
+            fs = call("fsopen overlay", FSOPEN, b"overlay", 1)
+            try:
+                for key, kind, aux in (
+                    (b"lowerdir+", SET_FD, tree),
+                    (b"upperdir", SET_FD, upper),
+                    (b"workdir", SET_FD, work),
+                    (None, CREATE, 0),
+                ):
+                    if libc.syscall(FSCONFIG, fs, kind, key, None, aux) != 0:
+                        err = ctypes.get_errno()
+                        said = fs_error(fs) or os.strerror(err)
+                        raise OSError(err, "overlay over " + path + ": " + said)
+                mounted = call("fsmount", FSMOUNT, fs, 1, NOSUID | NODEV)
+            finally:
+                for fd in (fs, upper, work):
+                    os.close(fd)
+
+        def attach():
+            target = mount_point(path)
+            try:
+                if libc.syscall(MOVE_MOUNT, mounted, b"", target, b"", F_EMPTY | T_EMPTY) != 0:
+                    fail("move_mount onto " + path)
+            finally:
+                os.close(target)
+        in_kernel(pid, attach)
+    finally:
+        if mounted != tree:
+            os.close(mounted)
+        os.close(tree)
+
+
+for line in sys.stdin:
+    try:
+        req = json.loads(line)
+        if req["op"] == "show":
+            show(req["pid"], req["path"])
+        else:
+            lend(req["pid"], req["path"], req["uid"], req.get("workdir"), req.get("name"))
+        sys.stdout.write("ok\n")
+    except Exception as exc:
+        sys.stdout.write("error " + str(exc).replace("\n", " ") + "\n")
+    sys.stdout.flush()
+"""
+
+_helper: subprocess.Popen[str] | None = None
+_lock = threading.Lock()
+
+
+class HelperError(OSError):
+    """The helper could not do what was asked (the message has its reason)."""
+
+
+def request(op: str, **fields: Any) -> None:
+    """Ask the helper (started on first use, again if it died) to do ``op`` with ``fields``.
+
+    Raises:
+        HelperError: it answered with an error, or died twice.
+    """
+    global _helper
+    line = json.dumps({"op": op, **fields}) + "\n"
+    with _lock:
+        for _attempt in (1, 2):
+            helper = _helper
+            if helper is None or helper.poll() is not None:
+                helper = _helper = subprocess.Popen(
+                    [sys.executable, "-I", "-S", "-c", _SOURCE],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.DEVNULL,
+                    text=True,
+                    cwd="/",
+                )
+            assert helper.stdin is not None and helper.stdout is not None
+            try:
+                helper.stdin.write(line)
+                helper.stdin.flush()
+                answer = helper.stdout.readline().strip()
+            except OSError:
+                answer = ""
+            if answer == "ok":
+                return
+            if answer:
+                raise HelperError(errno.EIO, answer.removeprefix("error "))
+            _stop(helper)  # it died: once more with a new one
+            _helper = None
+    raise HelperError(errno.EIO, "the namespace helper died")
+
+
+def _stop(helper: subprocess.Popen[str]) -> None:
+    """End the helper: its stdin closed, it returns (killed if it does not)."""
+    for pipe in (helper.stdin, helper.stdout):
+        with contextlib.suppress(OSError):
+            if pipe is not None:
+                pipe.close()
+    try:
+        helper.wait(timeout=5)
+    except subprocess.TimeoutExpired:
+        helper.kill()
+        helper.wait()
+
+
+@atexit.register
+def _stop_helper() -> None:
+    global _helper
+    with _lock:
+        if _helper is not None:
+            _stop(_helper)
+            _helper = None
