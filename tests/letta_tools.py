@@ -263,15 +263,15 @@ def adjust_menu_prices(percentage: float) -> str:
 
 
 def venv_marker() -> str:
-    """Whether this venv was marked before (and mark it), and where it is, as text: a venv
-    without pydantic gets Letta's ``str()`` conversion of any other value."""
+    """Which build of this venv runs (its ``pyvenv.cfg``'s inode and time: a rebuilt venv has
+    a new one) and where it is, as text: a venv without pydantic gets Letta's ``str()``
+    conversion of any other value. Read only: a kernel with a user of its own may not write
+    into a venv, which other tenants' kernels share."""
     import os
     import sys
 
-    path = os.path.join(sys.prefix, "kx-marker")
-    seen = os.path.exists(path)
-    open(path, "w").close()
-    return f"{seen} {sys.prefix}"
+    st = os.stat(os.path.join(sys.prefix, "pyvenv.cfg"))
+    return f"{st.st_ino}:{st.st_mtime_ns} {sys.prefix}"
 
 
 def use_broken_package() -> str:
@@ -314,3 +314,31 @@ def upper_block(label: str, agent_state: "AgentState") -> str:
 def not_a_number() -> list:
     """Return what JSON spells NaN and Infinity."""
     return [float("nan"), float("inf"), -float("inf"), 1.5]
+
+
+def write_here(name: str, text: str) -> str:
+    """Write ``text`` to the file ``name`` in the working directory (its sandbox_dir) and
+    append it to ``helpers.py``; say who owns what it wrote.
+
+    Args:
+        name: A file name.
+        text: What to write.
+    """
+    import os
+
+    with open(name, "w") as fh:
+        fh.write(text)
+    with open("helpers.py", "a") as fh:
+        fh.write(f"# {text}\n")
+    return f"{os.stat(name).st_uid == os.getuid()}"
+
+
+def read_here(name: str) -> list:
+    """The file ``name`` and ``helpers.py`` in the working directory, None for one missing.
+
+    Args:
+        name: A file name.
+    """
+    import os
+
+    return [open(n).read() if os.path.exists(n) else None for n in (name, "helpers.py")]

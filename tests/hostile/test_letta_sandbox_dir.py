@@ -3,11 +3,16 @@
 
 Seen before the fix: the build ran as root with the host's environment (a host secret in it);
 a ``requirements.txt`` replaced by a symbolic link to a root-only file showed that file's
-content in the ``EnvSetupError`` message.
+content in the ``EnvSetupError`` message. Since issue 21 item 7 a kernel with a user of its own
+gets ``sandbox_dir`` copy on write: what a tool writes there stays in its agent's session and
+never reaches the host's directory, so the host never reads it. What someone else puts in the
+directory (another local user, where it is writable by all) is still built as a kernel user
+without the host's secrets, and a link there is still refused.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import tempfile
@@ -84,17 +89,44 @@ async def _run(fn: Any, args: dict[str, Any], where: Path) -> Any:
     return await sandbox.run()
 
 
-async def test_a_tool_written_requirement_is_not_built_as_root_with_the_hosts_secrets(
+def listing() -> list[str]:
+    """What the tool sees in its sandbox_dir."""
+    return sorted(os.listdir("."))
+
+
+async def test_a_tool_written_requirement_never_reaches_the_host(
+    sandbox_dir: Path, tmp_path: Path
+) -> None:
+    name = f"kxletta{uuid.uuid4().hex[:8]}"
+    pkg = make_package(tmp_path, name, 9, "unused")
+    files = {f"{name}/{p.name}": p.read_text() for p in pkg.iterdir()}
+    files["requirements.txt"] = f"./{name}\n"
+    planted = await _run(plant, {"files": files}, sandbox_dir)
+    assert planted.status == "success", planted.stderr
+    assert await asyncio.to_thread(os.listdir, sandbox_dir) == []  # the host's is untouched
+    seen = await _run(listing, {}, sandbox_dir)
+    # The agent's own copy (its venv has no pydantic: Letta's str() of the list).
+    assert seen.func_return == str(sorted([name, "requirements.txt"]))
+    built = await _run(report, {"name": name}, sandbox_dir)
+    # Not built: the source folder imports as a bare package, without the build's SEEN.
+    assert built.status == "error"
+    assert "has no attribute 'SEEN'" in built.func_return
+
+
+async def test_a_requirement_someone_else_put_there_is_not_built_as_root_with_the_hosts_secrets(
     sandbox_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     secret = uuid.uuid4().hex
     monkeypatch.setenv("KX_HOST_SECRET", secret)
     name = f"kxletta{uuid.uuid4().hex[:8]}"
     pkg = make_package(tmp_path, name, 9, secret)
-    files = {f"{name}/{p.name}": p.read_text() for p in pkg.iterdir()}
-    files["requirements.txt"] = f"./{name}\n"
-    planted = await _run(plant, {"files": files}, sandbox_dir)
-    assert planted.status == "success", planted.stderr
+    cwd = os.getcwd()
+    os.chdir(sandbox_dir)
+    try:  # as another local user would, in a directory every user may write
+        plant({f"{name}/{p.name}": p.read_text() for p in pkg.iterdir()})
+        plant({"requirements.txt": f"./{name}\n"})
+    finally:
+        os.chdir(cwd)
     built = await _run(report, {"name": name}, sandbox_dir)
     assert built.status == "success", built.stderr
     seen = json.loads(built.func_return)
@@ -109,8 +141,7 @@ async def test_a_symlinked_requirements_txt_does_not_show_a_root_only_file(
     hidden = tmp_path / "root-only.txt"
     hidden.write_text(f"{secret}\n")
     hidden.chmod(0o600)
-    planted = await _run(plant, {"files": {}, "link": str(hidden)}, sandbox_dir)
-    assert planted.status == "success", planted.stderr
+    os.symlink(hidden, sandbox_dir / "requirements.txt")  # planted by another local user
     with pytest.raises(ConfigError) as caught:
         await _run(report, {"name": "anything"}, sandbox_dir)
     assert secret not in str(caught.value)
