@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -133,7 +134,7 @@ class KernelLease:
         if old is None and self.on_attached is not None:
             self.on_attached()
 
-    async def lend(self, path: str, *, copy_on_write: bool) -> str:
+    async def lend(self, path: str | os.PathLike[str], *, copy_on_write: bool) -> str:
         """Show the host directory ``path`` to the session's kernels, at the same path, from
         now on (:mod:`kernelexec._sandbox._lend`): copy on write, the changes kept in the
         session's working directory, or read-only. Nothing happens again for a directory lent

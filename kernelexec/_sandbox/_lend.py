@@ -34,15 +34,19 @@ from kernelexec._sandbox import _nshelper
 from kernelexec._tempdirs import PREFIXES
 
 
-def check(path: str, private: Iterable[str | os.PathLike[str] | None] = ()) -> str:
+def check(
+    path: str | os.PathLike[str], private: Iterable[str | os.PathLike[str] | None] = ()
+) -> str:
     """The real path of ``path`` if it may be lent, given kernelexec's ``private`` directories.
 
     Raises:
         ConfigError: it is not a directory, or it is (or holds, or lies in) a directory of
             kernelexec's (the message names which).
     """
+    if isinstance(path, os.PathLike):
+        path = os.fspath(path)
     if not isinstance(path, str) or not path:
-        raise ConfigError(f"a directory to lend must be a non-empty str, not {path!r}")
+        raise ConfigError(f"a directory to lend must be a non-empty path, not {path!r}")
     real = os.path.realpath(path)
     if not os.path.isdir(real):
         raise ConfigError(f"cannot lend {path} to a kernel: it is not a directory")

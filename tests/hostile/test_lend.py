@@ -1,0 +1,204 @@
+"""Hostile: a directory lent to a kernel with a user of its own (Letta's ``sandbox_dir``, the
+run's ``PYTHONPATH``) must not become a way out for the kernel, or into another's files.
+
+The helper that mounts runs as root in the kernel's mount namespace and writes into the
+kernel's session directory: each probe here plants what a tenant could before or while it
+works (links on the way, a moved layer folder, setuid files, devices) and checks that nothing
+outside the kernel's own view changed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import tempfile
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import pytest
+
+import kernelexec as kx
+from kernelexec._core._session import AsyncSession
+from kernelexec._sandbox import _disk
+from tests.hostile.conftest import needs_root
+
+pytestmark = [
+    pytest.mark.anyio,
+    needs_root,
+    pytest.mark.skipif(
+        _disk.support() is not None, reason=f"no mount namespaces here: {_disk.support()}"
+    ),
+]
+
+
+@pytest.fixture
+def target() -> Iterator[Path]:
+    """A root-owned directory outside every kernel's reach that must stay empty."""
+    path = Path(tempfile.mkdtemp(prefix="kxlend-target-", dir="/run"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+@pytest.fixture
+def lent() -> Iterator[Path]:
+    """A host directory only root may enter (under the host's /tmp, which kernels do not see),
+    holding a file only root may read."""
+    path = Path(tempfile.mkdtemp(prefix="kxlend-"))
+    (path / "secret.txt").write_text("s3cret")
+    (path / "secret.txt").chmod(0o600)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+@pytest.fixture
+async def executor() -> AsyncIterator[kx.AsyncKernelExecutor]:
+    async with kx.AsyncKernelExecutor(isolation="process") as ex:
+        yield ex
+
+
+async def run(session: AsyncSession, code: str) -> str:
+    result = await session.run_code(code)
+    assert result.ok, result.error
+    return result.result or ""
+
+
+async def test_a_link_planted_as_the_layer_folder_is_not_followed(
+    executor: kx.AsyncKernelExecutor, lent: Path, target: Path
+) -> None:
+    session = await executor.session("plant-before")
+    # The session's directory is the kernel's: it plants the folder the layers will go to.
+    await run(session, f"import os; os.symlink({str(target)!r}, '.kx-lent')")
+    with pytest.raises(kx.KernelStartError, match="could not lend"):
+        await session.lease.lend(str(lent), copy_on_write=True)
+    assert await asyncio.to_thread(os.listdir, target) == []
+    assert (await run(session, f"os.path.exists({str(lent)!r})")) == "False"
+
+
+async def test_a_layer_folder_moved_away_while_lent_still_takes_the_changes(
+    executor: kx.AsyncKernelExecutor, lent: Path, target: Path
+) -> None:
+    session = await executor.session("plant-after")
+    await session.lease.lend(str(lent), copy_on_write=True)
+    code = (
+        "import os\n"
+        "os.rename('.kx-lent', 'moved'); os.symlink({!r}, '.kx-lent')\n"
+        "open({!r}, 'w').write('new')\n"
+        "(open({!r}).read(), sorted(os.listdir({!r})))"
+    ).format(str(target), str(lent / "new.txt"), str(lent / "new.txt"), str(lent))
+    assert await run(session, code) == "('new', ['new.txt', 'secret.txt'])"
+    assert await asyncio.to_thread(os.listdir, target) == []
+    assert sorted(await asyncio.to_thread(os.listdir, lent)) == ["secret.txt"]
+
+
+async def test_a_link_on_the_way_in_the_kernels_view_is_not_followed(
+    executor: kx.AsyncKernelExecutor, target: Path
+) -> None:
+    outer = Path(tempfile.mkdtemp(prefix="kxlend-way-", dir="/tmp"))  # the kernel has its own
+    try:
+        (outer / "inner").mkdir()
+        session = await executor.session("way")
+        # In its private /tmp the kernel makes the same name a link to a host directory.
+        await run(session, f"import os; os.symlink({str(target)!r}, {str(outer)!r})")
+        with pytest.raises(kx.KernelStartError, match="not a directory in the kernel's view"):
+            await session.lease.lend(str(outer / "inner"), copy_on_write=False)
+        assert await asyncio.to_thread(os.listdir, target) == []
+        assert (await run(session, f"os.path.exists({str(target / 'inner')!r})")) == "False"
+    finally:
+        shutil.rmtree(outer)
+
+
+async def test_what_a_tenant_makes_in_a_lent_directory_is_its_own_never_the_hosts(
+    executor: kx.AsyncKernelExecutor, lent: Path
+) -> None:
+    session = await executor.session("suid")
+    await session.lease.lend(str(lent), copy_on_write=True)
+    code = (
+        "import os, shutil, stat\n"
+        f"os.chdir({str(lent)!r})\n"
+        "shutil.copy('/bin/true', 'escalate'); os.chmod('escalate', 0o4755)\n"
+        "try:\n"
+        "    os.mknod('disk', stat.S_IFBLK | 0o666, os.makedev(8, 0)); dev = 'made'\n"
+        "except OSError as exc:\n"
+        "    dev = exc.errno\n"
+        "opts = [f[5] for f in map(str.split, open('/proc/self/mountinfo'))"
+        f" if f[4] == {str(lent)!r}]\n"
+        "(os.stat('escalate').st_uid == os.getuid(), open('secret.txt').read(), dev, opts)"
+    )
+    own, secret, dev, opts = eval(await run(session, code))
+    assert own is True and secret == "s3cret"  # the directory is as if its own
+    assert dev == 1  # EPERM: no devices
+    assert "nosuid" in opts[-1] and "nodev" in opts[-1]
+    # On the host: nothing new in the directory, and the copy in the layers is the kernel's.
+    assert sorted(await asyncio.to_thread(os.listdir, lent)) == ["secret.txt"]
+    copies = await asyncio.to_thread(
+        lambda: list(Path(session.workdir, ".kx-lent").glob("*/upper/escalate"))
+    )
+    assert len(copies) == 1
+    st = await asyncio.to_thread(copies[0].stat)
+    assert st.st_uid >= 2_000_000_000
+
+
+async def test_a_read_only_loan_keeps_owners_and_refuses_writes(
+    executor: kx.AsyncKernelExecutor, lent: Path
+) -> None:
+    def publish() -> None:
+        lent.chmod(0o755)
+        (lent / "public.py").write_text("X = 1\n")
+        (lent / "public.py").chmod(0o644)
+
+    await asyncio.to_thread(publish)
+    session = await executor.session("ro")
+    await session.lease.lend(str(lent), copy_on_write=False)
+    code = (
+        "import errno, os\n"
+        "def attempt(f):\n"
+        "    try:\n"
+        "        return f()\n"
+        "    except OSError as exc:\n"
+        "        return errno.errorcode[exc.errno]\n"
+        "(attempt(lambda: open({!r}).read()), attempt(lambda: open({!r}).read()),"
+        " attempt(lambda: open({!r}, 'w')))"
+    ).format(str(lent / "public.py"), str(lent / "secret.txt"), str(lent / "new.txt"))
+    assert await run(session, code) == "('X = 1\\n', 'EACCES', 'EROFS')"
+
+
+async def test_other_sessions_do_not_see_a_directory_lent_to_one(
+    executor: kx.AsyncKernelExecutor, lent: Path
+) -> None:
+    mine = await executor.session("owner")
+    other = await executor.session("other")
+    await mine.lease.lend(str(lent), copy_on_write=True)
+    assert await run(mine, f"import os; os.path.isdir({str(lent)!r})") == "True"
+    assert await run(other, f"import os; os.path.exists({str(lent)!r})") == "False"
+    # A fresh kernel of the session gets it again.
+    await mine.restart()
+    assert await run(mine, f"import os; open({str(lent / 'secret.txt')!r}).read()") == "'s3cret'"
+
+
+async def test_the_executors_own_directories_and_the_temp_root_are_never_lent(
+    tmp_path: Path,
+) -> None:
+    state = tmp_path / "state"
+    async with kx.AsyncKernelExecutor(isolation="process", state_dir=state) as ex:
+        session = await ex.session("refused")
+        kdir = tempfile.mkdtemp(prefix="kx-")  # named as a kernel's own directory
+        try:
+            for path, why in [
+                ("/", "holds"),
+                (tempfile.gettempdir(), "holds"),
+                (kdir, "lies in a directory of kernelexec's"),
+                (str(state), "overlaps"),
+                (str(Path(session.workdir).parent), "overlaps|lies in"),
+                (session.workdir, "overlaps|lies in"),
+                (str(tmp_path / f"missing-{uuid.uuid4().hex}"), "not a directory"),
+            ]:
+                with pytest.raises(kx.ConfigError, match=why):
+                    await session.lease.lend(path, copy_on_write=True)
+        finally:
+            os.rmdir(kdir)
