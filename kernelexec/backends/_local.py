@@ -569,11 +569,13 @@ class LocalConnection(KernelConnection):
         if self._uid is None:
             return
         pid = self.kernel_pid()
-        if pid is None:
-            raise KernelStartError(f"the kernel ended before {path} could be lent to it")
+        if pid is None or self._check_process() is not None:
+            return  # it has ended: its session lends the directory to the kernel replacing it
         try:
             await asyncio.to_thread(_lend.lend, pid, path, self._uid, workdir)
         except OSError as exc:
+            if self._check_process() is not None:
+                return
             raise KernelStartError(f"could not lend {path} to the kernel: {exc}") from None
 
     async def _cap(self, path: str) -> bool:

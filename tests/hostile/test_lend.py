@@ -17,6 +17,7 @@ import uuid
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 import kernelexec as kx
@@ -202,3 +203,23 @@ async def test_the_executors_own_directories_and_the_temp_root_are_never_lent(
                     await session.lease.lend(path, copy_on_write=True)
         finally:
             os.rmdir(kdir)
+
+
+async def test_a_directory_lent_while_the_kernel_is_dead_reaches_the_one_replacing_it(
+    executor: kx.AsyncKernelExecutor, lent: Path
+) -> None:
+    session = await executor.session("dead")
+    await run(session, "x = 1")
+    conn = session.lease.connection
+    assert conn is not None
+    pid = conn.kernel_pid()
+    assert pid is not None
+    victim = psutil.Process(pid)
+    victim.kill()
+    await asyncio.to_thread(victim.wait)
+    await session.lease.lend(str(lent), copy_on_write=True)  # no error: nothing to lend to yet
+    first = await session.run_code(f"open({str(lent / 'secret.txt')!r}).read()")
+    if first.error is not None:  # the run that found the kernel dead
+        assert first.error.kind == "kernel_died", first.error
+        first = await session.run_code(f"open({str(lent / 'secret.txt')!r}).read()")
+    assert first.result == "'s3cret'", first.error
