@@ -304,8 +304,9 @@ async def test_sandbox_dir_is_the_working_directory_and_config_fingerprint(
 async def test_sandbox_dir_changes_stay_with_the_agent_and_the_host_directory_is_untouched(
     executor: None, tmp_path: Path
 ) -> None:
-    # A directory only the host's user may enter (pytest's temp dirs are 0700), with a file
-    # only it may read: a tool works there as Letta's does, as if the files were its own.
+    # A directory only the host's user may enter (pytest's temp dirs are 0700, under the host's
+    # /tmp), with a file only it may read: a tool works there as Letta's does, as if the files
+    # were its own.
     helpers = tmp_path / "helpers.py"
     helpers.write_text("GREETING = 'hi'\n")
     helpers.chmod(0o600)
@@ -330,6 +331,33 @@ async def test_sandbox_dir_changes_stay_with_the_agent_and_the_host_directory_is
     # The host's directory is never written.
     assert await asyncio.to_thread(os.listdir, tmp_path) == ["helpers.py"]
     assert await asyncio.to_thread(helpers.read_text) == "GREETING = 'hi'\n"
+
+
+@pytest.fixture
+def letta_home() -> Iterator[Path]:
+    """A home directory like root's (0700) outside /tmp and outside any directory the kernels
+    are given at launch, so nothing under it is bridged for them beforehand."""
+    import shutil
+    import tempfile
+
+    home = Path(tempfile.mkdtemp(prefix="kxletta-home-", dir="/run"))
+    try:
+        yield home
+    finally:
+        shutil.rmtree(home)
+
+
+async def test_letta_default_layout_under_a_home_only_its_user_may_enter(
+    executor: None, letta_home: Path
+) -> None:
+    # Letta's default sandbox_dir, ~/.letta/tool_execution_dir, in a fresh 0700 home: the host
+    # makes it (as Letta does), and the tool runs there.
+    sandbox_dir = letta_home / ".letta" / "tool_execution_dir"
+    config = SandboxConfig(config={"sandbox_dir": str(sandbox_dir)})
+    result, _ = await run(tools.where_am_i, sandbox_config=config, agent_id="agent-home")
+    assert result.status == "success", result.stderr
+    assert result.func_return == str(sandbox_dir)
+    assert await asyncio.to_thread(sandbox_dir.is_dir)
 
 
 async def test_callers_on_different_event_loops_share_the_executor(executor: None) -> None:

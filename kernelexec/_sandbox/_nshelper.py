@@ -22,7 +22,10 @@ Two requests, one per line as JSON, answered ``ok`` or ``error <why>``:
 For ``lend`` the mount point is found in the kernel's view without following a link, one
 directory descriptor at a time, and missing directories are made only on a tmpfs (the kernel's
 private ``/tmp``, a read-only bridge over a blocked directory, which is made writable for the
-moment it takes): never on a host filesystem. The helper ends when the host does (its stdin
+moment it takes): never on a host filesystem. A directory on the way that the kernel's user
+cannot pass through (the host's ``/root``, a 0700 parent) gets such a bridge then, as
+:mod:`._mounts` gives one at launch: the kernel reached nothing under it, and still reaches
+only the way to what is lent. The helper ends when the host does (its stdin
 closes). Root only.
 """
 
@@ -40,14 +43,14 @@ from typing import Any
 _SOURCE = r"""
 import ctypes, errno, json, os, struct, sys
 libc = ctypes.CDLL(None, use_errno=True)
-libc.prctl(15, b"kx-disk-helper", 0, 0, 0)  # PR_SET_NAME: how ps and tests tell it apart
+libc.prctl(15, b"kx-ns-helper", 0, 0, 0)  # PR_SET_NAME: how ps and tests tell it apart
 # The same numbers on every architecture since Linux 5.2 (5.12 for mount_setattr).
 OPEN_TREE, MOVE_MOUNT, FSOPEN, FSCONFIG, FSMOUNT, FSPICK, MOUNT_SETATTR = (
     428, 429, 430, 431, 432, 433, 442)
 NEWNS, NEWUSER = 0x00020000, 0x10000000
 CLONE, CLOEXEC, EMPTY_PATH = 1, 0x80000, 0x1000
 F_EMPTY, T_EMPTY = 0x4, 0x40
-RDONLY, NOSUID, NODEV, IDMAP = 0x1, 0x2, 0x4, 0x100000
+RDONLY, NOSUID, NODEV, NOEXEC, IDMAP = 0x1, 0x2, 0x4, 0x8, 0x100000
 SET_FLAG, SET_STRING, SET_FD, CREATE, RECONFIGURE = 0, 1, 5, 6, 7
 TMPFS = 0x01021994
 home = os.open("/proc/self/ns/mnt", os.O_RDONLY)
@@ -177,13 +180,52 @@ def our_bridge(fd):
     return False
 
 
-def mount_point(path):
-    # The directory at path in the current (kernel's) view, made where missing on a tmpfs.
+def searchable(st, uid):
+    # Whether the kernel's user (uid, its own group, no others) may pass through a directory.
+    if st.st_uid == uid:
+        return bool(st.st_mode & 0o100)
+    if st.st_gid == uid:
+        return bool(st.st_mode & 0o010)
+    return bool(st.st_mode & 0o001)
+
+
+def new_bridge(parent, part):
+    # A small tmpfs over parent/part, a directory the kernel's user cannot pass through (so
+    # it reached nothing under it): the way to the lent directory is made in it, the rest
+    # stays out of sight. Read-only once the loan is in place (see lend).
+    fs = call("fsopen tmpfs", FSOPEN, b"tmpfs", 1)
+    try:
+        for key, value in ((b"source", b"kernelexec"), (b"mode", b"0755"), (b"size", b"64k"),
+                           (b"nr_inodes", b"4096")):
+            if libc.syscall(FSCONFIG, fs, SET_STRING, key, value, 0) != 0:
+                fail("fsconfig tmpfs " + key.decode())
+        if libc.syscall(FSCONFIG, fs, CREATE, None, None, 0) != 0:
+            fail("making a tmpfs")
+        mnt = call("fsmount", FSMOUNT, fs, 1, NOSUID | NODEV | NOEXEC)
+    finally:
+        os.close(fs)
+    try:
+        target = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+        try:
+            if libc.syscall(MOVE_MOUNT, mnt, b"", target, b"", F_EMPTY | T_EMPTY) != 0:
+                fail("bridging " + part)
+        finally:
+            os.close(target)
+    finally:
+        os.close(mnt)
+    return os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent)
+
+
+def mount_point(path, uid, bridges):
+    # The directory at path in the current (kernel's) view, made where missing on a tmpfs;
+    # a directory on the way that the kernel's user cannot pass through is bridged (its new
+    # bridges' descriptors are added to bridges).
     fd = os.open("/", os.O_PATH | os.O_DIRECTORY)
     roots = {os.fstat(fd).st_dev: os.dup(fd)}  # device -> the first directory seen on it
+    parts = [p for p in path.split("/") if p]
     try:
         where = ""
-        for part in [p for p in path.split("/") if p]:
+        for i, part in enumerate(parts):
             where += "/" + part
             try:
                 inner = os.open(part, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=fd)
@@ -208,6 +250,10 @@ def mount_point(path):
                 if exc.errno in (errno.ELOOP, errno.ENOTDIR):
                     raise OSError(exc.errno, where + " is not a directory in the kernel's view")
                 raise
+            if i < len(parts) - 1 and not searchable(os.fstat(inner), uid):
+                os.close(inner)
+                inner = new_bridge(fd, part)
+                bridges.append(os.dup(inner))
             os.close(fd)
             fd = inner
             dev = os.fstat(fd).st_dev
@@ -281,12 +327,21 @@ def lend(pid, path, uid, workdir, name):
                     os.close(fd)
 
         def attach():
-            target = mount_point(path)
+            bridges = []
             try:
-                if libc.syscall(MOVE_MOUNT, mounted, b"", target, b"", F_EMPTY | T_EMPTY) != 0:
-                    fail("move_mount onto " + path)
+                target = mount_point(path, uid, bridges)
+                try:
+                    if libc.syscall(MOVE_MOUNT, mounted, b"", target, b"",
+                                    F_EMPTY | T_EMPTY) != 0:
+                        fail("move_mount onto " + path)
+                finally:
+                    os.close(target)
             finally:
-                os.close(target)
+                for bridge in bridges:
+                    try:
+                        reconfigure(bridge, "ro")
+                    finally:
+                        os.close(bridge)
         in_kernel(pid, attach)
     finally:
         if mounted != tree:

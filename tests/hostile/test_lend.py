@@ -223,3 +223,37 @@ async def test_a_directory_lent_while_the_kernel_is_dead_reaches_the_one_replaci
         assert first.error.kind == "kernel_died", first.error
         first = await session.run_code(f"open({str(lent / 'secret.txt')!r}).read()")
     assert first.result == "'s3cret'", first.error
+
+
+async def test_a_directory_under_one_the_kernel_cannot_pass_through_shows_only_the_way(
+    executor: kx.AsyncKernelExecutor,
+) -> None:
+    parent = Path(tempfile.mkdtemp(prefix="kxlend-home-", dir="/run"))  # 0700, like /root
+    try:
+        (parent / "sibling-secret.txt").write_text("hidden")
+        inner = parent / "a" / "inner"
+        inner.mkdir(parents=True)
+        (inner / "file.txt").write_text("lent")
+        session = await executor.session("bridged")
+        before = await run(session, f"import os; os.access({str(parent)!r}, os.X_OK)")
+        assert before == "False"
+        await session.lease.lend(str(inner), copy_on_write=True)
+        code = (
+            "import errno, os\n"
+            "def attempt(f):\n"
+            "    try:\n"
+            "        return f()\n"
+            "    except OSError as exc:\n"
+            "        return errno.errorcode[exc.errno]\n"
+            f"(open({str(inner / 'file.txt')!r}).read(), sorted(os.listdir({str(parent)!r})),"
+            f" attempt(lambda: open({str(parent / 'planted')!r}, 'w')),"
+            f" [f[5] for f in map(str.split, open('/proc/self/mountinfo'))"
+            f" if f[4] == {str(parent)!r}])"
+        )
+        text, listing, planted, opts = eval(await run(session, code))
+        assert (text, listing) == ("lent", ["a"])  # the way to it, nothing else
+        assert planted in ("EROFS", "EACCES")
+        assert opts and opts[-1].split(",")[0] == "ro"
+        assert sorted(await asyncio.to_thread(os.listdir, parent)) == ["a", "sibling-secret.txt"]
+    finally:
+        shutil.rmtree(parent)

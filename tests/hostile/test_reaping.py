@@ -86,8 +86,8 @@ def test_descendants_die_with_a_sigkilled_host(level: str) -> None:
     assert proc.stdout is not None
     assert proc.stdout.readline().strip().isdigit()
     children = psutil.Process(proc.pid).children()
-    # The host's one helper that shows capped directories to kernels (kernelexec._sandbox._disk)
-    helpers = [c.pid for c in children if c.name() == "kx-disk-helper"]
+    # The host's one namespace helper (kernelexec._sandbox._nshelper: capped and lent directories)
+    helpers = [c.pid for c in children if c.name() == "kx-ns-helper"]
     launchers = [c.pid for c in children if c.pid not in helpers]
     daemons = _pgrep("^sleep 601$")
     assert len(launchers) == 1 and len(daemons) == 1
