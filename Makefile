@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check docs dist ci bench soak bwrap clean browser suites
+.PHONY: demo test check docs dist ci bench soak bwrap clean browser suites letta-suite
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -44,8 +44,8 @@ browser:
 		|| echo "chromium is not installed: the browser tests will be skipped"
 
 check: $(STAMP)
-	$(BIN)/ruff check kernelexec tests benchmarks docs/_hooks
-	$(BIN)/ruff format --check kernelexec tests benchmarks docs/_hooks
+	$(BIN)/ruff check kernelexec tests benchmarks conformance docs/_hooks
+	$(BIN)/ruff format --check kernelexec tests benchmarks conformance docs/_hooks
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
@@ -67,6 +67,11 @@ bench: $(STAMP)
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py
+
+# Letta's own local-sandbox tests through the adapter (a venv of Letta 0.11.7 of its own; slow
+# the first time): conformance/letta/README.md.
+letta-suite:
+	conformance/letta/run.sh
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache site dist .cache

@@ -156,7 +156,8 @@ class AsyncToolSandboxKernel:
             annotations, as Letta does).
         user: The acting user (its ``organization_id`` enters the default config's
             fingerprint).
-        tool_id: The tool's id (``LETTA_TOOL_ID`` in the tool's environment).
+        tool_id: The tool's id (``LETTA_TOOL_ID`` in the tool's environment; optional, as in
+            Letta releases before it was a parameter).
         agent_id: The agent's id (``LETTA_AGENT_ID``; the session when no ``agent_state``).
         project_id: ``LETTA_PROJECT_ID`` in the tool's environment.
         force_recreate_venv: Rebuild the virtual environment before this run.
@@ -172,7 +173,7 @@ class AsyncToolSandboxKernel:
         tool_name: str,
         args: dict[str, Any],
         user: Any,
-        tool_id: str,
+        tool_id: str | None = None,
         agent_id: str | None = None,
         project_id: str | None = None,
         force_recreate_venv: bool = False,
