@@ -38,6 +38,7 @@ from kernelexec._public import public
 from kernelexec._recording import SessionRecorder
 from kernelexec._sandbox import _disk
 from kernelexec._sandbox._build import BuildConfinement
+from kernelexec._sandbox._lend import LAYERS
 from kernelexec._tempdirs import make_owned_dir, remove_tree, sweep_once
 from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLaunch
@@ -466,8 +467,16 @@ class AsyncKernelExecutor:
             setup_code=own[0] if own else None,  # the parent's, for the child's fresh kernels
         )
         if isinstance(parent.workdir, Path) and isinstance(child.workdir, Path):
+            top = str(parent.workdir)
             await asyncio.to_thread(
-                shutil.copytree, parent.workdir, child.workdir, symlinks=True, dirs_exist_ok=True
+                shutil.copytree,
+                parent.workdir,
+                child.workdir,
+                symlinks=True,
+                dirs_exist_ok=True,
+                # The layers of directories lent to the parent are its kernel's, in the mount
+                # namespace a branch shares (overlayfs's own entries there are no files).
+                ignore=lambda where, _names: [LAYERS] if where == top else [],
             )
         pool.adopt(conn)
         await child.lease.adopt(conn, pool, parent.lease.names)

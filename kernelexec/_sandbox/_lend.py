@@ -33,6 +33,10 @@ from kernelexec._exceptions import ConfigError
 from kernelexec._sandbox import _nshelper
 from kernelexec._tempdirs import PREFIXES
 
+LAYERS = ".kx-lent"
+"""The folder of a session's working directory holding the layers of what is lent to it copy on
+write (the namespace helper makes it by this name)."""
+
 
 def check(
     path: str | os.PathLike[str], private: Iterable[str | os.PathLike[str] | None] = ()

@@ -257,3 +257,17 @@ async def test_a_directory_under_one_the_kernel_cannot_pass_through_shows_only_t
         assert sorted(await asyncio.to_thread(os.listdir, parent)) == ["a", "sibling-secret.txt"]
     finally:
         shutil.rmtree(parent)
+
+
+async def test_a_session_with_a_loan_can_be_branched(
+    executor: kx.AsyncKernelExecutor, lent: Path
+) -> None:
+    session = await executor.session("family")
+    await session.lease.lend(str(lent), copy_on_write=True)
+    # A removed file leaves overlayfs's whiteout (a 0:0 device) in the session's layers.
+    await run(session, f"import os; os.remove({str(lent / 'secret.txt')!r}); x = 7")
+    (child,) = await session.fork()
+    assert await run(child, "x") == "7"
+    # A branch lives in its family's mount namespace: it sees the loan as its parent does.
+    assert await run(child, f"os.path.exists({str(lent / 'secret.txt')!r})") == "False"
+    assert sorted(await asyncio.to_thread(os.listdir, lent)) == ["secret.txt"]
