@@ -278,15 +278,34 @@ async def test_bad_timeout_setting_is_a_clear_error(
         await run(tools.add, {"x": 1, "y": 2})
 
 
+@pytest.fixture
+def public_dir() -> Iterator[Path]:
+    """A directory any local user may read, outside /tmp (kernels have their own): a codebase
+    as an operator would leave one."""
+    import shutil
+    import tempfile
+
+    path = Path(tempfile.mkdtemp(prefix="kxletta-pub-", dir="/run"))
+    path.chmod(0o755)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
 async def test_sandbox_dir_is_the_working_directory_and_config_fingerprint(
-    executor: None, tmp_path: Path
+    executor: None, public_dir: Path
 ) -> None:
-    (tmp_path / "helpers.py").write_text("GREETING = 'hi from the codebase'\n")
+    tmp_path = public_dir
+    await asyncio.to_thread(
+        (tmp_path / "helpers.py").write_text, "GREETING = 'hi from the codebase'\n"
+    )
     config = SandboxConfig(
         organization_id=USER.organization_id,
         config=LocalSandboxConfig(sandbox_dir=str(tmp_path)).model_dump(exclude_none=True),
     )
     result, _ = await run(tools.read_codebase, sandbox_config=config, agent_id="agent-dir")
+    assert result.status == "success", result.stderr
     assert result.func_return == {"cwd": str(tmp_path), "greeting": "hi from the codebase"}
     assert result.sandbox_config_fingerprint == letta_fingerprint(
         "local", USER.organization_id, config.config
@@ -305,32 +324,40 @@ async def test_sandbox_dir_changes_stay_with_the_agent_and_the_host_directory_is
     executor: None, tmp_path: Path
 ) -> None:
     # A directory only the host's user may enter (pytest's temp dirs are 0700, under the host's
-    # /tmp), with a file only it may read: a tool works there as Letta's does, as if the files
-    # were its own.
+    # /tmp), with a file only it may read.
     helpers = tmp_path / "helpers.py"
     helpers.write_text("GREETING = 'hi'\n")
     helpers.chmod(0o600)
     config = SandboxConfig(config={"sandbox_dir": str(tmp_path)})
-    wrote, _ = await run(
-        tools.write_here,
-        {"name": "out.txt", "text": "mine"},
-        sandbox_config=config,
-        agent_id="agent-cow-a",
-    )
-    assert wrote.status == "success", wrote.stderr
-    assert wrote.func_return == "True"  # its own file, as the kernel's user sees it
-    mine, _ = await run(
-        tools.read_here, {"name": "out.txt"}, sandbox_config=config, agent_id="agent-cow-a"
-    )
-    assert mine.func_return == ["mine", "GREETING = 'hi'\n# mine\n"]
-    # Another agent with the same sandbox_dir sees the directory as the host has it.
-    theirs, _ = await run(
-        tools.read_here, {"name": "out.txt"}, sandbox_config=config, agent_id="agent-cow-b"
-    )
-    assert theirs.func_return == [None, "GREETING = 'hi'\n"]
-    # The host's directory is never written.
-    assert await asyncio.to_thread(os.listdir, tmp_path) == ["helpers.py"]
-    assert await asyncio.to_thread(helpers.read_text) == "GREETING = 'hi'\n"
+    # A tenant may name any directory in its sandbox config: one other users cannot reach is
+    # refused unless the operator means it for tools.
+    with pytest.raises(kx.ConfigError, match=r"keeps other users out.*sandbox_roots"):
+        await run(tools.write_here, {"name": "x", "text": "y"}, sandbox_config=config)
+    # Named by the operator, a tool works there as Letta's does, as if the files were its own.
+    letta.configure(env_vars={"PYTHONPATH": ROOT}, sandbox_roots=[tmp_path])
+    try:
+        wrote, _ = await run(
+            tools.write_here,
+            {"name": "out.txt", "text": "mine"},
+            sandbox_config=config,
+            agent_id="agent-cow-a",
+        )
+        assert wrote.status == "success", wrote.stderr
+        assert wrote.func_return == "True"  # its own file, as the kernel's user sees it
+        mine, _ = await run(
+            tools.read_here, {"name": "out.txt"}, sandbox_config=config, agent_id="agent-cow-a"
+        )
+        assert mine.func_return == ["mine", "GREETING = 'hi'\n# mine\n"]
+        # Another agent with the same sandbox_dir sees the directory as the host has it.
+        theirs, _ = await run(
+            tools.read_here, {"name": "out.txt"}, sandbox_config=config, agent_id="agent-cow-b"
+        )
+        assert theirs.func_return == [None, "GREETING = 'hi'\n"]
+        # The host's directory is never written.
+        assert await asyncio.to_thread(os.listdir, tmp_path) == ["helpers.py"]
+        assert await asyncio.to_thread(helpers.read_text) == "GREETING = 'hi'\n"
+    finally:
+        letta.configure(env_vars={"PYTHONPATH": ROOT})
 
 
 @pytest.fixture
@@ -348,10 +375,11 @@ def letta_home() -> Iterator[Path]:
 
 
 async def test_letta_default_layout_under_a_home_only_its_user_may_enter(
-    executor: None, letta_home: Path
+    executor: None, letta_home: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Letta's default sandbox_dir, ~/.letta/tool_execution_dir, in a fresh 0700 home: the host
-    # makes it (as Letta does), and the tool runs there.
+    # makes it (as Letta does), and the tool runs there, with no configuration.
+    monkeypatch.setenv("HOME", str(letta_home))
     sandbox_dir = letta_home / ".letta" / "tool_execution_dir"
     config = SandboxConfig(config={"sandbox_dir": str(sandbox_dir)})
     result, _ = await run(tools.where_am_i, sandbox_config=config, agent_id="agent-home")
@@ -425,10 +453,10 @@ def codebase(root: Path, cow_wheel: Path) -> Path:
 
 @pytest.mark.slow
 async def test_external_codebase_in_a_venv_from_config_requirements_txt_and_tool(
-    executor: None, tmp_path: Path, wheels: dict[str, Path]
+    executor: None, public_dir: Path, wheels: dict[str, Path]
 ) -> None:
     assert importlib.util.find_spec("kxcow") is None  # not on the host
-    sandbox_dir = codebase(tmp_path / "restaurant", wheels["kxcow"])
+    sandbox_dir = codebase(public_dir / "restaurant", wheels["kxcow"])
     local = LocalSandboxConfig(
         sandbox_dir=str(sandbox_dir),
         use_venv=True,
@@ -460,10 +488,10 @@ async def test_external_codebase_in_a_venv_from_config_requirements_txt_and_tool
 
 @pytest.mark.slow
 async def test_force_recreate_venv_rebuilds_it(
-    executor: None, tmp_path: Path, wheels: dict[str, Path]
+    executor: None, public_dir: Path, wheels: dict[str, Path]
 ) -> None:
     local = LocalSandboxConfig(
-        sandbox_dir=str(tmp_path),
+        sandbox_dir=str(public_dir),
         use_venv=True,
         pip_requirements=[PipRequirement(name=str(wheels["kxcow"]))],
     )
@@ -483,9 +511,9 @@ async def test_force_recreate_venv_rebuilds_it(
 
 @pytest.mark.slow
 async def test_requirements_that_cannot_be_installed_raise_runtime_error(
-    executor: None, tmp_path: Path, wheels: dict[str, Path]
+    executor: None, public_dir: Path, wheels: dict[str, Path]
 ) -> None:
-    config = SandboxConfig(config={"sandbox_dir": str(tmp_path), "use_venv": True})
+    config = SandboxConfig(config={"sandbox_dir": str(public_dir), "use_venv": True})
     broken = [PipRequirement(name=str(wheels["kxbroken"]))]
     with pytest.raises(RuntimeError) as info:
         await run(tools.use_broken_package, sandbox_config=config, pip_requirements=broken)

@@ -38,7 +38,7 @@ from kernelexec._public import public
 from kernelexec._recording import SessionRecorder
 from kernelexec._sandbox import _disk
 from kernelexec._sandbox._build import BuildConfinement
-from kernelexec._sandbox._lend import LAYERS
+from kernelexec._sandbox._users import LAYERS
 from kernelexec._tempdirs import make_owned_dir, remove_tree, sweep_once
 from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLaunch
@@ -403,11 +403,12 @@ class AsyncKernelExecutor:
             str(workdir),
             registration,
             env=cfg.env_vars if self.backend.filters_env else None,
+            private=tuple(
+                str(d) for d in (self._workdir, cfg.state_dir, cfg.record_dir) if d is not None
+            ),
         )
         lease.carry_lost(self._registry.take_lost(key))
-        lease.private_dirs = tuple(
-            str(d) for d in (self._workdir, cfg.state_dir, cfg.record_dir) if d is not None
-        )
+
         if self._store is not None:
             assert isinstance(workdir, Path)
             lease.keeper = SessionState(

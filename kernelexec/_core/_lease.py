@@ -19,10 +19,11 @@ from typing import Any, Protocol
 from kernelexec._core._pool import KernelPool
 from kernelexec._core._run import run_internal
 from kernelexec._durable._keeper import SessionState
-from kernelexec._exceptions import ConfigError, StateError
+from kernelexec._exceptions import ConfigError, KernelStartError, StateError
 from kernelexec._models import Hibernation, Restored
 from kernelexec._proctitle import kernel_title
 from kernelexec._protocol._host import ExecuteRequest
+from kernelexec._sandbox._lend import Loan, LoanMode, within
 from kernelexec._sandbox._lend import check as check_lendable
 from kernelexec.backends._base import KernelConnection
 
@@ -51,6 +52,8 @@ class KernelLease:
         watcher: Told when the kernel changes.
         env: Variables to set in each fresh kernel with its first request (the executor's
             ``env_vars``, for a backend whose kernels may not get them at launch).
+        private: The executor's own directories, which no directory lent to the kernels may
+            overlap.
     """
 
     def __init__(
@@ -60,6 +63,7 @@ class KernelLease:
         workdir: str,
         watcher: KernelWatcher | None = None,
         env: dict[str, str] | None = None,
+        private: tuple[str, ...] = (),
     ) -> None:
         self.agent_id = agent_id
         self.workdir = workdir
@@ -84,9 +88,8 @@ class KernelLease:
         """The session's durable state (with a ``state_dir``): saved before the kernel goes,
         restored into the next one."""
         self._restored: Restored | None = None
-        self._lent: dict[str, str | None] = {}  # host directory -> where its changes go
-        self.private_dirs: tuple[str, ...] = ()
-        """The executor's own directories, which no directory lent to the kernel may overlap."""
+        self._lent: dict[str, Loan] = {}
+        self._private = private
 
     @property
     def busy(self) -> bool:
@@ -134,32 +137,31 @@ class KernelLease:
         if old is None and self.on_attached is not None:
             self.on_attached()
 
-    async def lend(self, path: str | os.PathLike[str], *, copy_on_write: bool) -> str:
+    async def lend(self, path: str | os.PathLike[str], *, mode: LoanMode) -> str:
         """Show the host directory ``path`` to the session's kernels, at the same path, from
-        now on (:mod:`kernelexec._sandbox._lend`): copy on write, the changes kept in the
-        session's working directory, or read-only. Nothing happens again for a directory lent
-        already (in either way), or one inside it. Returns its real path.
+        now on, in ``mode`` (:mod:`kernelexec._sandbox._lend`: ``"own"``, ``"copy"`` or
+        ``"read"``); copy on write, the changes are kept in the session's working directory.
+        A directory that is, holds or lies in one lent already is left as it is (one loan never
+        hides another). Returns its real path.
 
         Where kernels run as the host's user the kernel sees the directory already and works
         in it directly: nothing is mounted.
 
         Raises:
-            ConfigError: ``path`` is not a directory, or overlaps the executor's own.
+            ConfigError: ``path`` is not a directory, overlaps the executor's own, or (unless
+                ``mode="own"``) is out of other users' reach.
             KernelStartError: it could not be shown to the kernel (the message says why).
         """
-        real = check_lendable(path, self.private_dirs)
-        if self._is_lent(real):
-            return real
+        loan = await asyncio.to_thread(check_lendable, path, mode, self._private)
         async with self.hold():
-            if not self._is_lent(real):
-                where = self._workdir if copy_on_write else None
+            if not self._overlaps(loan.path):
                 if self._conn is not None:
-                    await self._conn.lend(real, where)
-                self._lent[real] = where
-        return real
+                    await self._conn.lend(loan, self._workdir)
+                self._lent[loan.path] = loan
+        return loan.path
 
-    def _is_lent(self, path: str) -> bool:
-        return any(path == p or path.startswith(p.rstrip("/") + "/") for p in self._lent)
+    def _overlaps(self, path: str) -> bool:
+        return any(within(path, p) or within(p, path) for p in self._lent)
 
     @asynccontextmanager
     async def hold(self) -> AsyncIterator[None]:
@@ -340,8 +342,13 @@ class KernelLease:
         restored into it, and a saved checkpoint of this session is stale."""
         assert self._conn is not None
         await self._conn.enter_workdir(self._workdir)
-        for path, where in self._lent.items():
-            await self._conn.lend(path, where)
+        for path, loan in list(self._lent.items()):
+            try:
+                await self._conn.lend(loan, self._workdir)
+            except KernelStartError as exc:
+                # The fresh kernel works without it; the next lend() of it says why it fails.
+                log.warning("%s: %s; not lent again", self.agent_id, exc)
+                del self._lent[path]
         self.generation += 1
         self._names = ()
         self._fresh = True

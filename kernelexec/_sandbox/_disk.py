@@ -343,7 +343,8 @@ _OPAQUE = "trusted.overlay.opaque"
 
 def _keep_opaque(fd: int, dest: str) -> None:
     """Keep overlayfs's mark on a directory that hides what the lower layer has there (one
-    the kernel removed and made again); only root can set it, so a tenant cannot forge it."""
+    the kernel removed and made again). Overlayfs sets it; a tenant cannot set it by hand, and
+    it only ever hides the lower layer in that tenant's own view."""
     try:
         value = os.getxattr(fd, _OPAQUE)
     except OSError:

@@ -3,23 +3,27 @@
 At ``"process"`` (and ``"bwrap"``) on a root host a kernel runs as a user of its own, with a
 private ``/tmp`` and the directories other users cannot search hidden from it: a directory of
 the host's user (Letta's ``sandbox_dir`` under ``/root``, a project under the host's ``/tmp``)
-is out of its reach. Lending shows such a directory to one kernel, at the same path, in one of
-two ways (the namespace helper does the mounting, :mod:`._nshelper`):
+is out of its reach. Lending shows such a directory to one session's kernels, at the same path
+(the namespace helper does the mounting, :mod:`._nshelper`), in one of three modes:
 
-- **copy on write** (into a session's working directory): the kernel sees the directory's files
-  as its own user's (an idmapped, read-only lower layer) and may change them, but every change
-  goes to a folder of its session's (``.kx-lent/<digest>`` in the working directory, kept with
-  the session): the host's directory is never written, and no other session sees the change.
-  What a kernel makes there belongs to its own user, never to the host's (the overlay is
-  ``nosuid,nodev``).
-- **read-only**: the directory as it is, with its owners and modes, so the
-  kernel reads what other users may (an import path).
+- ``"own"``, for a directory the operator means for kernels (Letta's ``tool_execution_dir``):
+  copy on write, the kernel seeing the directory's files as its own user's (an idmapped,
+  read-only lower layer), so it may read, change and remove them as Letta's tools do;
+- ``"copy"``, for any other directory: copy on write with owners and modes kept, so the kernel
+  reads what any local user may, and only a directory that any local user can reach;
+- ``"read"``, for import paths: read-only, owners and modes kept, reachable by any local user.
+
+Copy on write, every change goes to a folder of the session's (``.kx-lent/<digest>/upper`` in
+its working directory, kept with the session): the host's directory is never written, and no
+other session sees the change. What a kernel makes there belongs to its own user, never to the
+host's (the overlay is ``nosuid,nodev``). ``.kx-lent`` itself stays the host's (0700; see
+``_users.hand_over``), so the kernel reaches its layers only through the mount.
 
 Nothing is mounted on the host, and the mounts end with the kernel's namespace.
 
 A directory that holds, or lies inside, kernelexec's own directories (the temp directory with
 the kernels' directories, the sessions' working directories, saved state and recordings) is
-refused: lent as its owner's, it would hand other tenants' files to this kernel.
+refused: lent, it would hand other tenants' files to this kernel.
 """
 
 from __future__ import annotations
@@ -28,31 +32,59 @@ import hashlib
 import os
 import tempfile
 from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
 
 from kernelexec._exceptions import ConfigError
 from kernelexec._sandbox import _nshelper
+from kernelexec._sandbox._users import LAYERS, blocked
 from kernelexec._tempdirs import PREFIXES
 
-LAYERS = ".kx-lent"
-"""The folder of a session's working directory holding the layers of what is lent to it copy on
-write (the namespace helper makes it by this name)."""
+LoanMode = Literal["own", "copy", "read"]
+"""How a directory is lent: ``"own"``, copy on write with the host user's files appearing as
+the kernel user's (a directory the operator lets kernels use as their own); ``"copy"``, copy on
+write with owners and modes kept (the kernel reads what any local user may); ``"read"``,
+read-only with owners and modes kept."""
+
+
+@dataclass(frozen=True)
+class Loan:
+    """A directory checked for lending: its real path, how, and its identity when checked (the
+    helper refuses a directory that is another by the time it opens it)."""
+
+    path: str
+    mode: LoanMode
+    dev: int
+    ino: int
 
 
 def check(
-    path: str | os.PathLike[str], private: Iterable[str | os.PathLike[str] | None] = ()
-) -> str:
-    """The real path of ``path`` if it may be lent, given kernelexec's ``private`` directories.
+    path: str | os.PathLike[str],
+    mode: LoanMode,
+    private: Iterable[str | os.PathLike[str] | None] = (),
+) -> Loan:
+    """``path`` as a :class:`Loan` if it may be lent in ``mode``, given kernelexec's ``private``
+    directories. Blocking (it reads the filesystem).
 
     Raises:
-        ConfigError: it is not a directory, or it is (or holds, or lies in) a directory of
-            kernelexec's (the message names which).
+        ConfigError: it is not a directory; it is (or holds, or lies in) a directory of
+            kernelexec's; or, unless lent as the kernel's own, a user other than its owner
+            could not reach it (the message names which).
     """
     if isinstance(path, os.PathLike):
         path = os.fspath(path)
-    if not isinstance(path, str) or not path:
-        raise ConfigError(f"a directory to lend must be a non-empty path, not {path!r}")
+    if not isinstance(path, str) or not path or "\0" in path or not path.isprintable():
+        raise ConfigError(f"a directory to lend must be a printable, non-empty path, not {path!r}")
+    try:
+        path.encode()
+    except UnicodeEncodeError:
+        raise ConfigError(f"a directory to lend must be a valid path, not {path!r}") from None
     real = os.path.realpath(path)
-    if not os.path.isdir(real):
+    try:
+        st = os.stat(real)
+    except OSError:
+        st = None
+    if st is None or not os.path.isdir(real):
         raise ConfigError(f"cannot lend {path} to a kernel: it is not a directory")
     temp = os.path.realpath(tempfile.gettempdir())
     if _within(temp, real):
@@ -71,23 +103,45 @@ def check(
                 f"cannot lend {path} to a kernel: it overlaps {own}, one of the executor's own "
                 "directories (working directories, saved state or recordings)"
             )
-    return real
+    if mode != "own":
+        hidden = blocked(real)
+        if hidden is not None:
+            raise ConfigError(
+                f"cannot lend {path} to a kernel as any local user sees it: {hidden} keeps "
+                "other users out (lend it as the kernel's own only if the operator means it "
+                "for kernels)"
+            )
+    return Loan(real, mode, st.st_dev, st.st_ino)
+
+
+def within(inner: str, outer: str) -> bool:
+    """Whether the path ``inner`` is ``outer`` or lies in it (both real paths)."""
+    return _within(inner, outer)
 
 
 def _within(inner: str, outer: str) -> bool:
     return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
 
 
-def lend(pid: int, path: str, uid: int, workdir: str | None) -> None:
-    """Show the host directory ``path`` to the kernel ``pid`` (running as ``uid``) at the same
-    path: copy on write into ``workdir/.kx-lent/<digest of path>``, or read-only when
-    ``workdir`` is None.
+def lend(pid: int, loan: Loan, uid: int, workdir: str | None) -> None:
+    """Show ``loan`` to the kernel ``pid`` (running as ``uid``) at the same path; copy on write
+    into ``workdir/.kx-lent/<digest of its path>`` unless it is read-only.
 
     Raises:
         OSError: the host could not do it (the message says why).
     """
-    if workdir is None:
-        _nshelper.request("lend", pid=pid, path=path, uid=uid)
-        return
-    name = hashlib.sha256(path.encode()).hexdigest()[:16]
-    _nshelper.request("lend", pid=pid, path=path, uid=uid, workdir=workdir, name=name)
+    fields: dict[str, object] = {
+        "pid": pid,
+        "path": loan.path,
+        "uid": uid,
+        "dev": loan.dev,
+        "ino": loan.ino,
+        "idmap": loan.mode == "own",
+    }
+    if loan.mode != "read":
+        if workdir is None:
+            raise ValueError("a copy-on-write loan needs the session's working directory")
+        fields["workdir"] = workdir
+        fields["layers"] = LAYERS
+        fields["name"] = hashlib.sha256(loan.path.encode()).hexdigest()[:16]
+    _nshelper.request("lend", **fields)

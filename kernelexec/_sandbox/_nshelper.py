@@ -12,12 +12,14 @@ Two requests, one per line as JSON, answered ``ok`` or ``error <why>``:
 
 - ``show``: the host's mount at ``path`` (a capped working directory, :mod:`._disk`), at the
   same path in the kernel's namespace;
-- ``lend``: the host directory ``path`` (:mod:`._lend`), read-only and as it is, or, with
-  ``workdir`` and ``name``, as an overlay whose lower layer is ``path`` read-only and idmapped
-  so that what the host's user owns appears as the kernel's user's, and whose changes go to
+- ``lend``: the host directory ``path`` (:mod:`._lend`; refused when it is no longer the one
+  the host checked, ``dev`` and ``ino``), read-only and as it is, or, with ``workdir`` and
+  ``name``, as an overlay whose lower layer is ``path`` read-only (idmapped with ``idmap``, so
+  that what the host's user owns appears as the kernel's user's), and whose changes go to
   ``workdir/.kx-lent/name/upper`` (copy on write: the host's directory never changes). Those
-  layers are opened without following a link and handed to overlayfs as descriptors: the
-  session's directory is the kernel's, and a link planted there must not steer root's writes.
+  layers are opened without following a link, in folders that must be the host's alone, and
+  handed to overlayfs as descriptors: the session's directory is the kernel's, and a link or a
+  folder planted there must not steer root's writes.
 
 For ``lend`` the mount point is found in the kernel's view without following a link, one
 directory descriptor at a time, and missing directories are made only on a tmpfs (the kernel's
@@ -35,6 +37,7 @@ import atexit
 import contextlib
 import errno
 import json
+import select
 import subprocess
 import sys
 import threading
@@ -276,13 +279,23 @@ def subdir(parent, name, mode=0o700):
                    dir_fd=parent)
 
 
-def layers(workdir, name, uid, mode):
-    # Descriptors of the upper and work layers in workdir/.kx-lent/name; the upper's top is
-    # the kernel user's with the lent directory's mode (the merged directory's top takes both).
+def layers(workdir, folder, name, uid, mode):
+    # Descriptors of the upper and work layers in workdir/folder/name. folder and name
+    # must be the host's alone (a folder the kernel made or was handed is refused); the
+    # upper's top is the kernel user's with the lent directory's mode (the merged directory's
+    # top takes both).
     fds = [os.open(workdir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)]
+    where = workdir
     try:
-        for part in (".kx-lent", name):
-            fds.append(subdir(fds[-1], part))
+        for part in (folder, name):
+            where += "/" + part
+            try:
+                fds.append(subdir(fds[-1], part))
+            except OSError as exc:
+                raise OSError(exc.errno, where + ": " + exc.strerror)
+            st = os.fstat(fds[-1])
+            if st.st_uid != os.geteuid() or st.st_mode & 0o077:
+                raise OSError(errno.EPERM, where + " is not the host's alone")
         upper = subdir(fds[-1], "upper")
         try:
             os.fchown(upper, uid, uid)
@@ -296,19 +309,28 @@ def layers(workdir, name, uid, mode):
             os.close(fd)
 
 
-def lend(pid, path, uid, workdir, name):
-    tree = call("open_tree " + path, OPEN_TREE, -100, path.encode(), CLONE | CLOEXEC)
+def lend(req):
+    path, uid = req["path"], req["uid"]
+    # The last component not followed, and the same directory the host checked.
+    tree = call("open_tree " + path, OPEN_TREE, -100, path.encode(), CLONE | CLOEXEC | 0x100)
     mounted = tree
     try:
-        if workdir is None:
+        st = os.fstat(tree)
+        if (st.st_dev, st.st_ino) != (req["dev"], req["ino"]):
+            raise OSError(errno.ESTALE, path + " changed since it was checked")
+        if "workdir" not in req:
             set_attrs(tree, RDONLY | NOSUID | NODEV)
         else:
-            ns = userns(uid, uid)
-            try:
-                set_attrs(tree, RDONLY | NOSUID | NODEV | IDMAP, ns)
-            finally:
-                os.close(ns)
-            upper, work = layers(workdir, name, uid, os.stat(tree).st_mode & 0o777)
+            if req["idmap"]:
+                ns = userns(uid, uid)
+                try:
+                    set_attrs(tree, RDONLY | NOSUID | NODEV | IDMAP, ns)
+                finally:
+                    os.close(ns)
+            else:
+                set_attrs(tree, RDONLY | NOSUID | NODEV)
+            upper, work = layers(req["workdir"], req["layers"], req["name"], uid,
+                                 st.st_mode & 0o777)
             fs = call("fsopen overlay", FSOPEN, b"overlay", 1)
             try:
                 for key, kind, aux in (
@@ -342,7 +364,7 @@ def lend(pid, path, uid, workdir, name):
                         reconfigure(bridge, "ro")
                     finally:
                         os.close(bridge)
-        in_kernel(pid, attach)
+        in_kernel(req["pid"], attach)
     finally:
         if mounted != tree:
             os.close(mounted)
@@ -355,7 +377,7 @@ for line in sys.stdin:
         if req["op"] == "show":
             show(req["pid"], req["path"])
         else:
-            lend(req["pid"], req["path"], req["uid"], req.get("workdir"), req.get("name"))
+            lend(req)
         sys.stdout.write("ok\n")
     except Exception as exc:
         sys.stdout.write("error " + str(exc).replace("\n", " ") + "\n")
@@ -370,11 +392,16 @@ class HelperError(OSError):
     """The helper could not do what was asked (the message has its reason)."""
 
 
+_DEADLINE = 30.0  # seconds a request may take before the helper is replaced
+
+
 def request(op: str, **fields: Any) -> None:
     """Ask the helper (started on first use, again if it died) to do ``op`` with ``fields``.
+    One request at a time; one that takes longer than 30 s ends the helper (the next starts
+    another), so no kernel's request holds the others up for longer.
 
     Raises:
-        HelperError: it answered with an error, or died twice.
+        HelperError: it answered with an error, died twice, or took too long.
     """
     global _helper
     line = json.dumps({"op": op, **fields}) + "\n"
@@ -394,8 +421,15 @@ def request(op: str, **fields: Any) -> None:
             try:
                 helper.stdin.write(line)
                 helper.stdin.flush()
+                ready, _, _ = select.select([helper.stdout], [], [], _DEADLINE)
+                if not ready:
+                    _stop(helper, kill=True)
+                    _helper = None
+                    raise HelperError(errno.ETIMEDOUT, f"{op} took more than {_DEADLINE:g} s")
                 answer = helper.stdout.readline().strip()
-            except OSError:
+            except OSError as exc:
+                if isinstance(exc, HelperError):
+                    raise
                 answer = ""
             if answer == "ok":
                 return
@@ -406,8 +440,10 @@ def request(op: str, **fields: Any) -> None:
     raise HelperError(errno.EIO, "the namespace helper died")
 
 
-def _stop(helper: subprocess.Popen[str]) -> None:
-    """End the helper: its stdin closed, it returns (killed if it does not)."""
+def _stop(helper: subprocess.Popen[str], *, kill: bool = False) -> None:
+    """End the helper: its stdin closed, it returns (killed if it does not, or at once)."""
+    if kill:
+        helper.kill()
     for pipe in (helper.stdin, helper.stdout):
         with contextlib.suppress(OSError):
             if pipe is not None:

@@ -59,28 +59,68 @@ def hand_back(path: str, uid: int) -> None:
                 continue
 
 
+LAYERS = ".kx-lent"
+"""The folder of a session's working directory holding the layers of the directories lent to
+its kernels copy on write (:mod:`kernelexec._sandbox._lend`): it stays the host's, 0700, and
+only the upper layers inside it change hands."""
+
+
 def hand_over(path: str, uid: int) -> None:
     """Give ``path`` and everything under it to ``uid`` (group too), the top mode 0700.
 
     Symlinks are changed themselves, never followed: the tree may hold what an earlier kernel
     planted. Only what belongs to the host or to a kernel user changes hands, and never a file
-    with a second hard link (a planted link to a host file would hand that file over).
+    with a second hard link (a planted link to a host file would hand that file over). The
+    host's own :data:`LAYERS` folder at the top stays the host's, but for the upper layers in
+    it (what the kernel wrote, which it sees through the mount only).
     """
     os.chown(path, uid, uid, follow_symlinks=False)
     os.chmod(path, 0o700)
     host = os.geteuid()
+    uppers: list[str] = []
     for root, dirs, files in os.walk(path):
+        if root == path and LAYERS in dirs and _hosts_alone(os.path.join(path, LAYERS)):
+            dirs.remove(LAYERS)
+            uppers = _uppers(os.path.join(path, LAYERS))
         for name in dirs + files:
-            entry = os.path.join(root, name)
-            try:
-                st = os.lstat(entry)
-                if st.st_uid != host and st.st_uid < UID_BASE:
-                    continue
-                if not stat.S_ISDIR(st.st_mode) and st.st_nlink > 1:
-                    continue
-                os.chown(entry, uid, uid, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
+            _give(os.path.join(root, name), uid, host)
+    for upper in uppers:
+        _give(upper, uid, host)
+        for root, dirs, files in os.walk(upper):
+            for name in dirs + files:
+                _give(os.path.join(root, name), uid, host)
+
+
+def _give(entry: str, uid: int, host: int) -> None:
+    try:
+        st = os.lstat(entry)
+        if st.st_uid != host and st.st_uid < UID_BASE:
+            return
+        if not stat.S_ISDIR(st.st_mode) and st.st_nlink > 1:
+            return
+        os.chown(entry, uid, uid, follow_symlinks=False)
+    except FileNotFoundError:
+        return
+
+
+def _hosts_alone(path: str) -> bool:
+    """Whether ``path`` is a directory (not a link) of the host's that no one else may enter."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
+
+
+def _uppers(layers: str) -> list[str]:
+    """The upper layers in the host's :data:`LAYERS` folder ``layers``."""
+    found = []
+    for name in os.listdir(layers):
+        folder = os.path.join(layers, name)
+        upper = os.path.join(folder, "upper")
+        if _hosts_alone(folder) and os.path.isdir(upper) and not os.path.islink(upper):
+            found.append(upper)
+    return found
 
 
 def kernel_path(python: str, path: str | None, *, own_user: bool) -> str:

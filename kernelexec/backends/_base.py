@@ -40,6 +40,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from kernelexec._exceptions import ConfigError
 from kernelexec._models import Isolation, IsolationLevel
+from kernelexec._sandbox._lend import Loan
 
 Channel = Literal["shell", "control", "iopub", "stdin"]
 
@@ -177,16 +178,20 @@ class KernelConnection(abc.ABC):
         """
         return None
 
-    async def lend(self, path: str, workdir: str | None) -> None:
-        """Show the host directory ``path`` (checked by the caller) to this kernel at the same
-        path: copy on write into the session's working directory ``workdir``, where the
-        kernel's changes go, or read-only when ``workdir`` is None.
+    async def lend(self, loan: Loan, workdir: str) -> None:
+        """Show the host directory of ``loan`` (checked by the caller) to this kernel at the
+        same path, in its mode; copy on write, the kernel's changes go to the session's working
+        directory ``workdir``.
 
         Called by the session's lease for each directory lent to the session: once when it is
         lent, and again for each fresh kernel, after :meth:`enter_workdir`. The default does
         nothing: a kernel that runs as the host's user sees the host's directories already
         (and works in the lent directory itself). A backend that runs kernels as users of
-        their own, in namespaces of their own, mounts the directory into the kernel's.
+        their own, in namespaces of their own, mounts the directory into the kernel's; a
+        kernel that has ended is left alone (its replacement gets the loan).
+
+        Raises:
+            KernelStartError: it could not be shown to the kernel (the message says why).
         """
         return None
 

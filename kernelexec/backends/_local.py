@@ -565,18 +565,19 @@ class LocalConnection(KernelConnection):
                     f"could not cap the working directory {path}: {exc}"
                 ) from None
 
-    async def lend(self, path: str, workdir: str | None) -> None:
+    async def lend(self, loan: _lend.Loan, workdir: str) -> None:
         if self._uid is None:
             return
         pid = self.kernel_pid()
         if pid is None or self._check_process() is not None:
             return  # it has ended: its session lends the directory to the kernel replacing it
         try:
-            await asyncio.to_thread(_lend.lend, pid, path, self._uid, workdir)
+            await asyncio.to_thread(_lend.lend, pid, loan, self._uid, workdir)
         except OSError as exc:
             if self._check_process() is not None:
                 return
-            raise KernelStartError(f"could not lend {path} to the kernel: {exc}") from None
+            why = exc.strerror or str(exc)
+            raise KernelStartError(f"could not lend {loan.path} to the kernel: {why}") from None
 
     async def _cap(self, path: str) -> bool:
         """Make ``path`` a tmpfs of ``max_disk_mb`` for this kernel's user where the plan says

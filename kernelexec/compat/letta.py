@@ -30,6 +30,7 @@ import re
 import shutil
 import threading
 import uuid
+from collections.abc import Iterable
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -39,10 +40,12 @@ from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError, EnvSetupError, ExecutionTimeout
 from kernelexec._models import ToolResult
+from kernelexec._sandbox._lend import within
 from kernelexec.compat._letta_config import (
     TIMEOUT_ENV_VAR,
     LocalConfig,
     layered_env,
+    letta_default_sandbox_dir,
     read_sandbox_config,
     requirement_line,
     requirements_txt,
@@ -103,23 +106,41 @@ class ToolExecutionResult(BaseModel):
 _lock = threading.Lock()
 _thread: ExecutorThread | None = None
 _config: dict[str, Any] = {}
+_roots: tuple[str, ...] | None = None
 
 
-def configure(**config: Any) -> None:
+def configure(
+    *, sandbox_roots: Iterable[str | os.PathLike[str]] | None = None, **config: Any
+) -> None:
     """Set the process-wide executor's configuration (fields of
     :class:`~kernelexec.ExecutorConfig`: ``env_vars``, ``env_allowlist``, ``max_kernels``,
-    ``prewarm``, ``idle_timeout``, ``record_dir``, ``cache_dir``, ...).
+    ``prewarm``, ``idle_timeout``, ``record_dir``, ``cache_dir``, ...), and the directories
+    whose ``sandbox_dir`` a tool may use as its own.
 
     A running executor is shut down first (its kernels and their state go); the next
     ``run()`` starts one with these settings.
+
+    Args:
+        sandbox_roots: Directories the operator means for tools (None: Letta's default,
+            ``~/.letta/tool_execution_dir``). Where kernels run as users of their own, a
+            ``sandbox_dir`` in one of them is lent to the agent's kernel as its own (it reads
+            and edits the host user's files there, copy on write); any other ``sandbox_dir``
+            is lent as any local user sees it, and must be one that any local user can reach.
+        **config: ``ExecutorConfig`` fields.
 
     Raises:
         ConfigError: a field is unknown or invalid.
     """
     make_config(**config)
-    global _config
+    roots = None
+    if sandbox_roots is not None:
+        if isinstance(sandbox_roots, str | os.PathLike):
+            raise ConfigError("sandbox_roots must be a list of directories, not one path")
+        roots = tuple(os.path.realpath(os.fspath(root)) for root in sandbox_roots)
+    global _config, _roots
     with _lock:
         _config = dict(config)
+        _roots = roots
     shutdown()
 
 
@@ -336,18 +357,36 @@ async def _lend(
     """Let the agent's kernels reach ``sandbox_dir`` and the run's ``PYTHONPATH``, as Letta's
     script (run as the host's user) does, where kernels run as users of their own: the
     directory copy on write (the agent's changes kept in its session, the host's directory
-    untouched), the import paths read-only. Where kernels run as the host's user nothing is
-    mounted, and they work in ``sandbox_dir`` itself, as Letta's tools do."""
+    untouched), as the kernel's own in one of the sandbox roots, else as any local user sees
+    it; the import paths read-only, as any local user sees them. Where kernels run as the host's
+    user nothing is mounted, and they work in ``sandbox_dir`` itself, as Letta's tools do."""
     lease = (await executor.session(agent, env)).lease
     if sandbox_dir is not None:
-        await asyncio.to_thread(os.makedirs, sandbox_dir, exist_ok=True)  # as Letta does
-        await lease.lend(sandbox_dir, copy_on_write=True)
+        own = await asyncio.to_thread(_made_if_own, sandbox_dir)
+        try:
+            await lease.lend(sandbox_dir, mode="own" if own else "copy")
+        except ConfigError as exc:
+            raise ConfigError(
+                f"{exc}; to let tools use it as their own, name it (or a directory above it) "
+                "in kernelexec.compat.letta.configure(sandbox_roots=[...])"
+            ) from None
     for entry in pythonpath.split(os.pathsep):
         if entry and os.path.isabs(entry):
-            # One it may not lend (not a directory, the executor's own, or one holding the
-            # temp directory) stays as the kernel sees it, as a missing entry would.
+            # One it may not lend (not a directory, the executor's own, one out of other
+            # users' reach) stays as the kernel sees it, as a missing entry would.
             with contextlib.suppress(ConfigError):
-                await lease.lend(entry, copy_on_write=False)
+                await lease.lend(entry, mode="read")
+
+
+def _made_if_own(sandbox_dir: str) -> bool:
+    """Whether ``sandbox_dir`` lies in one of the sandbox roots; made then if missing (Letta
+    makes its sandbox_dir; here only where the operator means it for tools)."""
+    roots = _roots if _roots is not None else (os.path.realpath(letta_default_sandbox_dir()),)
+    real = os.path.realpath(sandbox_dir)
+    if not any(within(real, root) for root in roots):
+        return False
+    os.makedirs(real, exist_ok=True)
+    return True
 
 
 async def _recreate(executor: AsyncKernelExecutor, env: VenvEnv, agent: str) -> None:

@@ -58,6 +58,22 @@ def lent() -> Iterator[Path]:
 
 
 @pytest.fixture
+def public() -> Iterator[Path]:
+    """A host directory any local user may reach, outside /tmp, holding a file only root may
+    read and one anyone may."""
+    path = Path(tempfile.mkdtemp(prefix="kxlend-pub-", dir="/run"))
+    path.chmod(0o755)
+    (path / "secret.txt").write_text("s3cret")
+    (path / "secret.txt").chmod(0o600)
+    (path / "public.py").write_text("X = 1\n")
+    (path / "public.py").chmod(0o644)
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path)
+
+
+@pytest.fixture
 async def executor() -> AsyncIterator[kx.AsyncKernelExecutor]:
     async with kx.AsyncKernelExecutor(isolation="process") as ex:
         yield ex
@@ -76,7 +92,7 @@ async def test_a_link_planted_as_the_layer_folder_is_not_followed(
     # The session's directory is the kernel's: it plants the folder the layers will go to.
     await run(session, f"import os; os.symlink({str(target)!r}, '.kx-lent')")
     with pytest.raises(kx.KernelStartError, match="could not lend"):
-        await session.lease.lend(str(lent), copy_on_write=True)
+        await session.lease.lend(str(lent), mode="own")
     assert await asyncio.to_thread(os.listdir, target) == []
     assert (await run(session, f"os.path.exists({str(lent)!r})")) == "False"
 
@@ -85,7 +101,7 @@ async def test_a_layer_folder_moved_away_while_lent_still_takes_the_changes(
     executor: kx.AsyncKernelExecutor, lent: Path, target: Path
 ) -> None:
     session = await executor.session("plant-after")
-    await session.lease.lend(str(lent), copy_on_write=True)
+    await session.lease.lend(str(lent), mode="own")
     code = (
         "import os\n"
         "os.rename('.kx-lent', 'moved'); os.symlink({!r}, '.kx-lent')\n"
@@ -107,7 +123,7 @@ async def test_a_link_on_the_way_in_the_kernels_view_is_not_followed(
         # In its private /tmp the kernel makes the same name a link to a host directory.
         await run(session, f"import os; os.symlink({str(target)!r}, {str(outer)!r})")
         with pytest.raises(kx.KernelStartError, match="not a directory in the kernel's view"):
-            await session.lease.lend(str(outer / "inner"), copy_on_write=False)
+            await session.lease.lend(str(outer / "inner"), mode="own")
         assert await asyncio.to_thread(os.listdir, target) == []
         assert (await run(session, f"os.path.exists({str(target / 'inner')!r})")) == "False"
     finally:
@@ -118,7 +134,7 @@ async def test_what_a_tenant_makes_in_a_lent_directory_is_its_own_never_the_host
     executor: kx.AsyncKernelExecutor, lent: Path
 ) -> None:
     session = await executor.session("suid")
-    await session.lease.lend(str(lent), copy_on_write=True)
+    await session.lease.lend(str(lent), mode="own")
     code = (
         "import os, shutil, stat\n"
         f"os.chdir({str(lent)!r})\n"
@@ -145,28 +161,93 @@ async def test_what_a_tenant_makes_in_a_lent_directory_is_its_own_never_the_host
     assert st.st_uid >= 2_000_000_000
 
 
+ATTEMPT = (
+    "import errno, os\n"
+    "def attempt(f):\n"
+    "    try:\n"
+    "        return f()\n"
+    "    except OSError as exc:\n"
+    "        return errno.errorcode[exc.errno]\n"
+)
+
+
 async def test_a_read_only_loan_keeps_owners_and_refuses_writes(
+    executor: kx.AsyncKernelExecutor, public: Path
+) -> None:
+    session = await executor.session("ro")
+    await session.lease.lend(str(public), mode="read")
+    code = ATTEMPT + (
+        f"(attempt(lambda: open({str(public / 'public.py')!r}).read()),"
+        f" attempt(lambda: open({str(public / 'secret.txt')!r}).read()),"
+        f" attempt(lambda: open({str(public / 'new.txt')!r}, 'w')))"
+    )
+    assert await run(session, code) == "('X = 1\\n', 'EACCES', 'EROFS')"
+
+
+async def test_a_copy_loan_keeps_owners_and_writes_only_to_the_sessions_layer(
+    executor: kx.AsyncKernelExecutor, public: Path
+) -> None:
+    session = await executor.session("copy")
+    await session.lease.lend(str(public), mode="copy")
+    code = ATTEMPT + (
+        f"(attempt(lambda: open({str(public / 'public.py')!r}).read()),"
+        f" attempt(lambda: open({str(public / 'secret.txt')!r}).read()),"
+        f" attempt(lambda: open({str(public / 'public.py')!r}, 'a').write('Y = 2')),"
+        f" attempt(lambda: open({str(public / 'new.txt')!r}, 'w').write('new')))"
+    )
+    assert await run(session, code) == "('X = 1\\n', 'EACCES', 'EACCES', 3)"
+    assert sorted(await asyncio.to_thread(os.listdir, public)) == ["public.py", "secret.txt"]
+
+
+async def test_only_a_directory_any_user_may_reach_is_lent_other_than_as_the_kernels_own(
     executor: kx.AsyncKernelExecutor, lent: Path
 ) -> None:
-    def publish() -> None:
-        lent.chmod(0o755)
-        (lent / "public.py").write_text("X = 1\n")
-        (lent / "public.py").chmod(0o644)
+    session = await executor.session("reach")
+    for mode in ("copy", "read"):
+        with pytest.raises(kx.ConfigError, match="keeps other users out"):
+            await session.lease.lend(str(lent), mode=mode)  # type: ignore[arg-type]
 
-    await asyncio.to_thread(publish)
-    session = await executor.session("ro")
-    await session.lease.lend(str(lent), copy_on_write=False)
-    code = (
-        "import errno, os\n"
-        "def attempt(f):\n"
-        "    try:\n"
-        "        return f()\n"
-        "    except OSError as exc:\n"
-        "        return errno.errorcode[exc.errno]\n"
-        "(attempt(lambda: open({!r}).read()), attempt(lambda: open({!r}).read()),"
-        " attempt(lambda: open({!r}, 'w')))"
-    ).format(str(lent / "public.py"), str(lent / "secret.txt"), str(lent / "new.txt"))
-    assert await run(session, code) == "('X = 1\\n', 'EACCES', 'EROFS')"
+
+async def test_the_layer_folder_stays_the_hosts_across_restarts(
+    executor: kx.AsyncKernelExecutor, lent: Path
+) -> None:
+    session = await executor.session("layers")
+    await session.lease.lend(str(lent), mode="own")
+    await run(session, f"open({str(lent / 'mine.txt')!r}, 'w').write('mine')")
+    await session.restart()
+    # The new kernel (another uid) still owns what it wrote, through the mount only.
+    code = ATTEMPT + (
+        f"(open({str(lent / 'mine.txt')!r}).read(),"
+        f" os.stat({str(lent / 'mine.txt')!r}).st_uid == os.getuid(),"
+        " attempt(lambda: os.listdir('.kx-lent')),"
+        " os.stat('.kx-lent').st_uid)"
+    )
+    assert await run(session, code) == "('mine', True, 'EACCES', 0)"
+
+
+async def test_a_layer_folder_the_kernel_made_is_refused(
+    executor: kx.AsyncKernelExecutor, lent: Path
+) -> None:
+    session = await executor.session("made")
+    await run(session, "import os; os.makedirs('.kx-lent', mode=0o700)")
+    with pytest.raises(kx.KernelStartError, match="not the host's alone"):
+        await session.lease.lend(str(lent), mode="own")
+    # Only this session's loan failed; the kernel works on, and the next attempt says why.
+    assert await run(session, "1 + 1") == "2"
+    with pytest.raises(kx.KernelStartError, match="not the host's alone"):
+        await session.lease.lend(str(lent), mode="own")
+
+
+async def test_a_loan_never_hides_another(executor: kx.AsyncKernelExecutor, lent: Path) -> None:
+    (lent / "inner").mkdir()
+    session = await executor.session("nested")
+    await session.lease.lend(str(lent / "inner"), mode="own")
+    await session.lease.lend(str(lent), mode="own")  # holds the first: left as it is
+    code = ATTEMPT + (
+        f"(attempt(lambda: open({str(lent / 'inner' / 'w.txt')!r}, 'w').write('w')),"
+        f" os.path.exists({str(lent / 'secret.txt')!r}))"
+    )
+    assert await run(session, code) == "(1, False)"
 
 
 async def test_other_sessions_do_not_see_a_directory_lent_to_one(
@@ -174,7 +255,7 @@ async def test_other_sessions_do_not_see_a_directory_lent_to_one(
 ) -> None:
     mine = await executor.session("owner")
     other = await executor.session("other")
-    await mine.lease.lend(str(lent), copy_on_write=True)
+    await mine.lease.lend(str(lent), mode="own")
     assert await run(mine, f"import os; os.path.isdir({str(lent)!r})") == "True"
     assert await run(other, f"import os; os.path.exists({str(lent)!r})") == "False"
     # A fresh kernel of the session gets it again.
@@ -200,7 +281,7 @@ async def test_the_executors_own_directories_and_the_temp_root_are_never_lent(
                 (str(tmp_path / f"missing-{uuid.uuid4().hex}"), "not a directory"),
             ]:
                 with pytest.raises(kx.ConfigError, match=why):
-                    await session.lease.lend(path, copy_on_write=True)
+                    await session.lease.lend(path, mode="own")
         finally:
             os.rmdir(kdir)
 
@@ -217,7 +298,7 @@ async def test_a_directory_lent_while_the_kernel_is_dead_reaches_the_one_replaci
     victim = psutil.Process(pid)
     victim.kill()
     await asyncio.to_thread(victim.wait)
-    await session.lease.lend(str(lent), copy_on_write=True)  # no error: nothing to lend to yet
+    await session.lease.lend(str(lent), mode="own")  # no error: nothing to lend to yet
     first = await session.run_code(f"open({str(lent / 'secret.txt')!r}).read()")
     if first.error is not None:  # the run that found the kernel dead
         assert first.error.kind == "kernel_died", first.error
@@ -237,7 +318,7 @@ async def test_a_directory_under_one_the_kernel_cannot_pass_through_shows_only_t
         session = await executor.session("bridged")
         before = await run(session, f"import os; os.access({str(parent)!r}, os.X_OK)")
         assert before == "False"
-        await session.lease.lend(str(inner), copy_on_write=True)
+        await session.lease.lend(str(inner), mode="own")
         code = (
             "import errno, os\n"
             "def attempt(f):\n"
@@ -263,7 +344,7 @@ async def test_a_session_with_a_loan_can_be_branched(
     executor: kx.AsyncKernelExecutor, lent: Path
 ) -> None:
     session = await executor.session("family")
-    await session.lease.lend(str(lent), copy_on_write=True)
+    await session.lease.lend(str(lent), mode="own")
     # A removed file leaves overlayfs's whiteout (a 0:0 device) in the session's layers.
     await run(session, f"import os; os.remove({str(lent / 'secret.txt')!r}); x = 7")
     (child,) = await session.fork()
@@ -271,3 +352,16 @@ async def test_a_session_with_a_loan_can_be_branched(
     # A branch lives in its family's mount namespace: it sees the loan as its parent does.
     assert await run(child, f"os.path.exists({str(lent / 'secret.txt')!r})") == "False"
     assert sorted(await asyncio.to_thread(os.listdir, lent)) == ["secret.txt"]
+
+
+async def test_a_loan_that_fails_for_a_fresh_kernel_is_dropped_and_the_kernel_works(
+    executor: kx.AsyncKernelExecutor, lent: Path
+) -> None:
+    session = await executor.session("dropped")
+    await session.lease.lend(str(lent), mode="own")
+    # The kernel swaps the host's layer folder for a link to one of its own.
+    await run(session, "import os; os.rename('.kx-lent', 'gone'); os.symlink('gone', '.kx-lent')")
+    await session.restart()
+    assert await run(session, f"import os; os.path.exists({str(lent)!r})") == "False"
+    with pytest.raises(kx.KernelStartError, match="could not lend.*kx-lent"):
+        await session.lease.lend(str(lent), mode="own")
