@@ -363,5 +363,5 @@ async def test_a_loan_that_fails_for_a_fresh_kernel_is_dropped_and_the_kernel_wo
     await run(session, "import os; os.rename('.kx-lent', 'gone'); os.symlink('gone', '.kx-lent')")
     await session.restart()
     assert await run(session, f"import os; os.path.exists({str(lent)!r})") == "False"
-    with pytest.raises(kx.KernelStartError, match="could not lend.*kx-lent"):
+    with pytest.raises(kx.KernelStartError, match=r"could not lend.*kx-lent"):
         await session.lease.lend(str(lent), mode="own")
