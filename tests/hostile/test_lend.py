@@ -23,7 +23,7 @@ import pytest
 import kernelexec as kx
 from kernelexec._core._session import AsyncSession
 from kernelexec._sandbox import _disk
-from tests.hostile.conftest import needs_root
+from tests.hostile.conftest import needs_bwrap, needs_root
 
 pytestmark = [
     pytest.mark.anyio,
@@ -365,3 +365,14 @@ async def test_a_loan_that_fails_for_a_fresh_kernel_is_dropped_and_the_kernel_wo
     assert await run(session, f"import os; os.path.exists({str(lent)!r})") == "False"
     with pytest.raises(kx.KernelStartError, match=r"could not lend.*kx-lent"):
         await session.lease.lend(str(lent), mode="own")
+
+
+@needs_bwrap
+async def test_a_loan_reaches_a_kernel_in_bubblewrap_too(lent: Path) -> None:
+    async with kx.AsyncKernelExecutor(isolation="bwrap") as ex:
+        session = await ex.session("bwrap")
+        await session.lease.lend(str(lent), mode="own")
+        code = f"import os; (open({str(lent / 'secret.txt')!r}).read(), os.getuid() != 0)"
+        assert await run(session, code) == "('s3cret', True)"
+        await run(session, f"open({str(lent / 'new.txt')!r}, 'w').write('n')")
+    assert sorted(await asyncio.to_thread(os.listdir, lent)) == ["secret.txt"]
