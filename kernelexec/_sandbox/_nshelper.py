@@ -421,8 +421,10 @@ def request(op: str, **fields: Any) -> None:
             try:
                 helper.stdin.write(line)
                 helper.stdin.flush()
-                ready, _, _ = select.select([helper.stdout], [], [], _DEADLINE)
-                if not ready:
+                # poll, not select: a host with many kernels has descriptors above 1023.
+                waiting = select.poll()
+                waiting.register(helper.stdout, select.POLLIN)
+                if not waiting.poll(_DEADLINE * 1000):
                     _stop(helper, kill=True)
                     _helper = None
                     raise HelperError(errno.ETIMEDOUT, f"{op} took more than {_DEADLINE:g} s")
