@@ -87,18 +87,18 @@ def check(
     if st is None or not os.path.isdir(real):
         raise ConfigError(f"cannot lend {path} to a kernel: it is not a directory")
     temp = os.path.realpath(tempfile.gettempdir())
-    if _within(temp, real):
+    if within(temp, real):
         raise ConfigError(
             f"cannot lend {path} to a kernel: it holds {temp}, where kernelexec keeps every "
             "kernel's own directory; lend a directory of its own"
         )
-    if _within(real, temp) and os.path.relpath(real, temp).split(os.sep)[0].startswith(PREFIXES):
+    if within(real, temp) and os.path.relpath(real, temp).split(os.sep)[0].startswith(PREFIXES):
         raise ConfigError(f"cannot lend {path} to a kernel: it lies in a directory of kernelexec's")
     for mine in private:
         if mine is None:
             continue
         own = os.path.realpath(mine)
-        if _within(real, own) or _within(own, real):
+        if within(real, own) or within(own, real):
             raise ConfigError(
                 f"cannot lend {path} to a kernel: it overlaps {own}, one of the executor's own "
                 "directories (working directories, saved state or recordings)"
@@ -116,14 +116,10 @@ def check(
 
 def within(inner: str, outer: str) -> bool:
     """Whether the path ``inner`` is ``outer`` or lies in it (both real paths)."""
-    return _within(inner, outer)
-
-
-def _within(inner: str, outer: str) -> bool:
     return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
 
 
-def lend(pid: int, loan: Loan, uid: int, workdir: str | None) -> None:
+def lend(pid: int, loan: Loan, uid: int, workdir: str) -> None:
     """Show ``loan`` to the kernel ``pid`` (running as ``uid``) at the same path; copy on write
     into ``workdir/.kx-lent/<digest of its path>`` unless it is read-only.
 
@@ -139,8 +135,6 @@ def lend(pid: int, loan: Loan, uid: int, workdir: str | None) -> None:
         "idmap": loan.mode == "own",
     }
     if loan.mode != "read":
-        if workdir is None:
-            raise ValueError("a copy-on-write loan needs the session's working directory")
         fields["workdir"] = workdir
         fields["layers"] = LAYERS
         fields["name"] = hashlib.sha256(loan.path.encode()).hexdigest()[:16]
