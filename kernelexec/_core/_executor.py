@@ -408,7 +408,6 @@ class AsyncKernelExecutor:
             ),
         )
         lease.carry_lost(self._registry.take_lost(key))
-
         if self._store is not None:
             assert isinstance(workdir, Path)
             lease.keeper = SessionState(

@@ -23,8 +23,9 @@ from kernelexec._exceptions import ConfigError, KernelStartError, StateError
 from kernelexec._models import Hibernation, Restored
 from kernelexec._proctitle import kernel_title
 from kernelexec._protocol._host import ExecuteRequest
-from kernelexec._sandbox._lend import Loan, LoanMode, within
+from kernelexec._sandbox._lend import Loan, LoanMode
 from kernelexec._sandbox._lend import check as check_lendable
+from kernelexec._sandbox._users import within
 from kernelexec.backends._base import KernelConnection
 
 log = logging.getLogger("kernelexec.kernel")

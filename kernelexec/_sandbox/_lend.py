@@ -37,7 +37,7 @@ from typing import Literal
 
 from kernelexec._exceptions import ConfigError
 from kernelexec._sandbox import _nshelper
-from kernelexec._sandbox._users import LAYERS, blocked
+from kernelexec._sandbox._users import LAYERS, blocked, within
 from kernelexec._tempdirs import PREFIXES
 
 LoanMode = Literal["own", "copy", "read"]
@@ -112,11 +112,6 @@ def check(
                 "for kernels)"
             )
     return Loan(real, mode, st.st_dev, st.st_ino)
-
-
-def within(inner: str, outer: str) -> bool:
-    """Whether the path ``inner`` is ``outer`` or lies in it (both real paths)."""
-    return inner == outer or inner.startswith(outer.rstrip(os.sep) + os.sep)
 
 
 def lend(pid: int, loan: Loan, uid: int, workdir: str) -> None:

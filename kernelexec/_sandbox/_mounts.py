@@ -145,12 +145,12 @@ def plan(needed: Iterable[str], handed: Iterable[str] = ()) -> list[tuple[str, l
     """
     given = {os.path.realpath(p) for p in handed}
     paths = sorted({os.path.realpath(p) for p in [*needed, *given]})
-    roots = [p for p in paths if not any(q != p and _under(p, q) for q in paths)]
+    roots = [p for p in paths if not any(q != p and _users.within(p, q) for q in paths)]
     bridges: dict[str, list[str]] = {}
     for path in paths:
-        root = next(r for r in roots if _under(path, r))
+        root = next(r for r in roots if _users.within(path, r))
         blockers = [b for b in _blockers(path) if b not in given]
-        inside = [b for b in blockers if _under(b, root)]
+        inside = [b for b in blockers if _users.within(b, root)]
         if inside:
             raise CannotBridge(
                 f"{path} is not reachable by other users: {_mode(inside[0])} blocks it"
@@ -161,10 +161,6 @@ def plan(needed: Iterable[str], handed: Iterable[str] = ()) -> list[tuple[str, l
                 raise CannotBridge("/ is not searchable by other users")
             bridges.setdefault(top, []).append(root)
     return sorted(bridges.items())
-
-
-def _under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def describe(bridges: list[tuple[str, list[str]]], names: dict[str, str] | None = None) -> str:

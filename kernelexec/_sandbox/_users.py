@@ -36,6 +36,11 @@ def blocked(path: str) -> str | None:
     return None
 
 
+def within(inner: str, outer: str) -> bool:
+    """Whether the path ``inner`` is ``outer`` or lies in it (both normalised the same way)."""
+    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
+
+
 def allow_search(path: str) -> None:
     """Add search permission for everyone (not read) to the directory ``path``."""
     if os.path.isdir(path):

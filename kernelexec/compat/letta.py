@@ -40,7 +40,7 @@ from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError, EnvSetupError, ExecutionTimeout
 from kernelexec._models import ToolResult
-from kernelexec._sandbox._lend import within
+from kernelexec._sandbox._users import within
 from kernelexec.compat._letta_config import (
     TIMEOUT_ENV_VAR,
     LocalConfig,
