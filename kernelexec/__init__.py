@@ -40,6 +40,7 @@ if _typing.TYPE_CHECKING:
         StateError,
         ToolDefinitionError,
         ToolSchemaWarning,
+        TreeLimitError,
     )
     from kernelexec._files._blocking import (
         BlockingBackgroundCommand,
@@ -137,6 +138,7 @@ _EXPORTS: dict[str, str] = {
     "ToolDefinitionError": "kernelexec._exceptions",
     "ToolResult": "kernelexec._models",
     "ToolSchemaWarning": "kernelexec._exceptions",
+    "TreeLimitError": "kernelexec._exceptions",
     "VenvEnv": "kernelexec._envs._envs",
 }
 
@@ -235,6 +237,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "ToolDefinitionError",
     "ToolResult",
     "ToolSchemaWarning",
+    "TreeLimitError",
     "VenvEnv",
     "__version__",
     "areplay",

@@ -21,6 +21,7 @@ mean misuse of the API or a broken environment::
     ├── SetupCodeError (RuntimeError)         a session's setup_code failed (raised by hand)
     ├── PathRefusedError (ValueError)         a session file path leaves its working directory
     ├── FileTransferError (RuntimeError)      a file operation could not be carried out
+    ├── TreeLimitError (OSError)              a tenant's tree passes a bound the host walks within
     ├── SessionFileError (OSError)            the kernel's file system refused an operation
     │   ├── SessionFileNotFoundError (FileNotFoundError)
     │   ├── SessionIsADirectoryError (IsADirectoryError)
@@ -156,6 +157,26 @@ class PathRefusedError(KernelExecError, ValueError):
 class FileTransferError(KernelExecError, RuntimeError):
     """A file operation could not be carried out: the kernel died or timed out during it, or
     it cannot serve file operations. The message says which."""
+
+
+class TreeLimitError(KernelExecError, OSError):
+    """A directory tree a tenant made passes a bound the host keeps when it walks, copies,
+    archives or reads it (depth, entries, bytes): nothing past the bound was read or written.
+
+    Attributes:
+        bound: Which bound (``"depth"``, ``"entries"`` or ``"bytes"``).
+        limit: Its value.
+        where: The tree (or file) it was met in.
+    """
+
+    def __init__(self, bound: str, limit: int, where: str) -> None:
+        super().__init__(f"{where}: passes the host's bound on {bound} ({limit})")
+        self.bound = bound
+        self.limit = limit
+        self.where = where
+
+    def __reduce__(self) -> tuple[type[TreeLimitError], tuple[str, int, str]]:
+        return (type(self), (self.bound, self.limit, self.where))
 
 
 class SessionFileError(KernelExecError, OSError):

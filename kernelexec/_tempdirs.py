@@ -9,13 +9,15 @@ the directories whose owner is gone.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import shutil
 import sys
 import tempfile
 from pathlib import Path
 
 import psutil
+
+from kernelexec import _trees
 
 PREFIXES = ("kx-", "kernelexec-")
 KERNEL_UID_BASE = 2_000_000_000
@@ -91,13 +93,17 @@ def _unescape(field: str) -> str:
 
 
 def remove_tree(path: str) -> None:
-    """``shutil.rmtree`` that first detaches what is mounted at or under ``path`` (a capped
-    directory, :mod:`kernelexec._sandbox._disk`), which rmtree cannot remove."""
+    """Remove the tree at ``path`` (:func:`kernelexec._trees.remove`: however deep or wide,
+    nothing followed), first detaching what is mounted at or under it (a capped directory,
+    :mod:`kernelexec._sandbox._disk`); errors are logged, never raised (a sweep goes on)."""
     real = os.path.realpath(path)
     below = [p for p, _, _ in mount_points() if p == real or p.startswith(real + "/")]
     for point in sorted(below, key=len, reverse=True):
         detach(point)
-    shutil.rmtree(path, ignore_errors=True)
+    try:
+        _trees.remove(path)
+    except OSError as exc:
+        logging.getLogger("kernelexec").warning("removing %s failed: %r", path, exc)
 
 
 def detach(point: str) -> int:

@@ -20,6 +20,7 @@ import tempfile
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from kernelexec import _trees
 from kernelexec._branching import _process
 from kernelexec._branching._connection import BranchConnection
 from kernelexec._branching._process import Template
@@ -295,9 +296,8 @@ async def _noop() -> None:
 
 
 def _remove(path: str) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        _trees.remove(path)
 
 
 public(__name__)

@@ -11,7 +11,6 @@ import contextlib
 import importlib.resources
 import json
 import os
-import shutil
 import signal
 import socket
 import struct
@@ -20,6 +19,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from kernelexec import _trees
 from kernelexec._branching import _kernel_side as kernel_side
 from kernelexec._exceptions import BranchError
 from kernelexec.backends._base import KernelConnection, KernelDied
@@ -234,7 +234,8 @@ class Template:
                 signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
             self._close_pidfd()
         for path in [self.tdir, *self.extra_dirs]:
-            shutil.rmtree(path, ignore_errors=True)
+            with contextlib.suppress(OSError):
+                _trees.remove(path)
 
     def _close_pidfd(self) -> None:
         if self._pidfd is not None:

@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import shutil
 import sys
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
@@ -16,7 +15,7 @@ from kernelexec._codemode._exposure import HostFunctions
 from kernelexec._config import ExecutorConfig, ExecutorOptions, make_config
 from kernelexec._core._attach import SessionRegistration
 from kernelexec._core._budget import KernelBudget
-from kernelexec._core._forking import SessionBranches
+from kernelexec._core._forking import SessionBranches, copy_workdir
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._pool import KernelPool
@@ -38,7 +37,6 @@ from kernelexec._public import public
 from kernelexec._recording import SessionRecorder
 from kernelexec._sandbox import _disk
 from kernelexec._sandbox._build import BuildConfinement
-from kernelexec._sandbox._users import LAYERS
 from kernelexec._tempdirs import make_owned_dir, remove_tree, sweep_once
 from kernelexec._tools._tool import Tool
 from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLaunch
@@ -467,17 +465,7 @@ class AsyncKernelExecutor:
             setup_code=own[0] if own else None,  # the parent's, for the child's fresh kernels
         )
         if isinstance(parent.workdir, Path) and isinstance(child.workdir, Path):
-            top = str(parent.workdir)
-            await asyncio.to_thread(
-                shutil.copytree,
-                parent.workdir,
-                child.workdir,
-                symlinks=True,
-                dirs_exist_ok=True,
-                # The layers of directories lent to the parent are its kernel's, in the mount
-                # namespace a branch shares (overlayfs's own entries there are no files).
-                ignore=lambda where, _names: [LAYERS] if where == top else [],
-            )
+            await asyncio.to_thread(copy_workdir, parent.workdir, child.workdir)
         pool.adopt(conn)
         await child.lease.adopt(conn, pool, parent.lease.names)
         if child.recorder is not None:

@@ -14,23 +14,27 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import os
-import shutil
 from collections.abc import Awaitable, Callable
-from pathlib import Path, PurePath
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kernelexec import _trees
 from kernelexec._branching._family import AsyncSnapshot, Brancher
 from kernelexec._core._budget import KernelBudget
 from kernelexec._core._startup import make_ready, shutdown_fully
 from kernelexec._exceptions import PoolExhaustedError
 from kernelexec._protocol import _kernel_side as kernel_side
 from kernelexec._protocol._host import ExecuteRequest
+from kernelexec._sandbox._users import LAYERS
 from kernelexec._tempdirs import make_owned_dir
 from kernelexec.backends._base import KernelConnection
 
 if TYPE_CHECKING:
     from kernelexec._core._session import AsyncSession
+
+log = logging.getLogger("kernelexec")
 
 Adopt = Callable[["AsyncSession", KernelConnection], Awaitable["AsyncSession"]]
 """Makes the child session of a parent session around a forked kernel (the executor's)."""
@@ -112,7 +116,8 @@ class SessionBranches:
         if isinstance(session.workdir, Path):
             files = make_owned_dir("kx-")
             template.extra_dirs.append(files)
-            await asyncio.to_thread(_copy_tree, session.workdir, Path(files, "w"))
+            os.mkdir(os.path.join(files, "w"), 0o700)
+            await asyncio.to_thread(copy_workdir, session.workdir, Path(files, "w"))
             snap.files = os.path.join(files, "w")
         return snap
 
@@ -136,7 +141,7 @@ class SessionBranches:
                 self._budget.release()
             raise
         if snap.files is not None and isinstance(session.workdir, Path):
-            await asyncio.to_thread(_replace_tree, Path(snap.files), session.workdir)
+            await asyncio.to_thread(replace_workdir, Path(snap.files), session.workdir)
         await session.lease.swap(conn, snap.names)
         if snap.setup_ran:
             session.setup_inherited()  # restored exactly: setup_code is not run over it
@@ -180,15 +185,34 @@ class SessionBranches:
         return made
 
 
-def _copy_tree(source: PurePath, target: PurePath) -> None:
-    shutil.copytree(source, target, symlinks=True, dirs_exist_ok=True)
+def copy_workdir(source: Path, target: Path) -> None:
+    """Copy a working directory's files into the directory ``target`` (:mod:`kernelexec._trees`:
+    never by path, never following a link, bounded), leaving out the layers of directories
+    lent to its kernels (their kernel's, in the mount namespace a branch shares; overlayfs's
+    own entries there are no files).
+
+    Raises:
+        TreeLimitError: the directory passes a bound of the walk.
+    """
+    src = _trees.open_top(source)
+    try:
+        dst = _trees.open_top(target)
+        try:
+            done = _trees.copy(src, dst, where=str(source), skip_top=frozenset({LAYERS}))
+        finally:
+            os.close(dst)
+    finally:
+        os.close(src)
+    if done.skipped:
+        log.info("left out of the copy of %s: %r", source, done.skipped)
 
 
-def _replace_tree(source: Path, target: Path) -> None:
-    """Make ``target``'s content a copy of ``source``'s (a restore's working directory)."""
-    for entry in list(target.iterdir()):
-        if entry.is_dir() and not entry.is_symlink():
-            shutil.rmtree(entry, ignore_errors=True)
-        else:
-            entry.unlink(missing_ok=True)
-    _copy_tree(source, target)
+def replace_workdir(source: Path, target: Path) -> None:
+    """Make ``target``'s content a copy of ``source``'s (a restore's working directory); the
+    host's own layer folder stays."""
+    dst = _trees.open_top(target)
+    try:
+        _trees.clear(dst, keep=frozenset({LAYERS}))
+    finally:
+        os.close(dst)
+    copy_workdir(source, target)

@@ -1,91 +1,114 @@
 """A session's working directory saved as a tar archive and put back into a fresh one.
 
-The directory is the kernel's: anything may lie there (links, FIFOs, files swapped while read).
-Only directories and plain files are archived, each opened without following links and checked
-by ``fstat``; what is skipped is named. An archive is unpacked only into an empty directory
-(nothing there yet that a link could redirect), with tarfile's ``data`` filter.
+The directory is the kernel's: anything may lie there (links, FIFOs, files swapped while read,
+trees too deep or wide to walk). It is walked as every tenant tree is (:mod:`kernelexec._trees`:
+through directory descriptors, never following a link, bounded in depth and entries). Only
+directories and plain files with one link are archived, each checked by ``fstat`` once open;
+what is skipped is named. A file counts at its size as the archive holds it (its holes too), and
+the archive never passes the limit: a file that would pass it is refused before it is read.
+An archive is unpacked only into an empty directory, the same way: one name at a time below the
+directory's descriptor, new entries only, nothing followed.
 """
 
 from __future__ import annotations
 
-import io
+import contextlib
 import os
 import stat
 import tarfile
 import zlib
-from pathlib import Path
+from pathlib import Path, PurePosixPath
+from typing import BinaryIO
 
+from kernelexec import _trees
 from kernelexec._durable._kernel_state import STAGING
+from kernelexec._exceptions import CheckpointTooLargeError
 
 Signature = tuple[tuple[str, int, int], ...]
+_SKIP = frozenset({STAGING})
+_BLOCK = tarfile.BLOCKSIZE
 
 
 def signature(workdir: Path) -> Signature:
-    """What the directory holds, cheaply: (path, size, mtime) of every entry."""
-    found: list[tuple[str, int, int]] = []
-    for root, dirs, files in os.walk(workdir):
-        if root == str(workdir):
-            dirs[:] = [d for d in dirs if d != STAGING]
-        for name in files + dirs:
-            path = os.path.join(root, name)
-            try:
-                st = os.lstat(path)
-            except FileNotFoundError:
-                continue
-            found.append((os.path.relpath(path, workdir), st.st_size, st.st_mtime_ns))
-    return tuple(sorted(found))
+    """What the directory holds, cheaply: (path, size, mtime) of every entry.
+
+    Raises:
+        TreeLimitError: the directory passes a bound of the walk.
+    """
+    top = _trees.open_top(workdir)
+    try:
+        return _trees.signature(top, where=str(workdir), skip_top=_SKIP)
+    finally:
+        os.close(top)
 
 
 def archive(workdir: Path, dest: Path, limit: int) -> tuple[int, int, dict[str, str]]:
-    """Write the directory's files to ``dest``; its size, CRC-32 and what was skipped (why).
+    """Write the directory's files to ``dest``; its CRC-32, size and what was skipped (why).
 
     Raises:
-        OSError: the archive would pass ``limit`` bytes.
+        CheckpointTooLargeError: the archive would pass ``limit`` bytes (a file's whole size
+            counts, holes included: nothing past the limit is read).
+        TreeLimitError: the directory passes a bound of the walk.
     """
     skipped: dict[str, str] = {}
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-    with open(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w") as tar:
-        for root, dirs, files in os.walk(workdir):
-            if root == str(workdir):
-                dirs[:] = [d for d in dirs if d != STAGING]
-            for name in sorted(dirs + files):
-                path = os.path.join(root, name)
-                rel = os.path.relpath(path, workdir)
-                why = _add(tar, path, rel)
+    top = _trees.open_top(workdir)
+    try:
+        with open(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w") as tar:
+            for entry in _trees.walk(top, where=str(workdir), skip_top=_SKIP):
+                why = _add(tar, raw, entry, limit)
                 if why:
-                    skipped[rel] = why
-                if raw.tell() > limit:
-                    raise OSError(f"the working directory's files pass {limit} bytes")
-        raw.flush()
-        os.fsync(raw.fileno())
+                    skipped[entry.rel] = why
+            raw.flush()
+            os.fsync(raw.fileno())
+    finally:
+        os.close(top)
     return _crc_file(dest), os.path.getsize(dest), skipped
 
 
-def _add(tar: tarfile.TarFile, path: str, rel: str) -> str | None:
-    try:
-        st = os.lstat(path)
-    except FileNotFoundError:
-        return None
-    if stat.S_ISDIR(st.st_mode):
-        info = tarfile.TarInfo(rel)
+def _add(tar: tarfile.TarFile, raw: BinaryIO, entry: _trees.Entry, limit: int) -> str | None:
+    st = entry.st
+    if entry.is_dir:
+        info = tarfile.TarInfo(entry.rel)
         info.type, info.mode, info.mtime = tarfile.DIRTYPE, 0o700, int(st.st_mtime)
         tar.addfile(info)
         return None
     if not stat.S_ISREG(st.st_mode):
         return "a link or special file (not saved)"
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        fd = os.open(entry.name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=entry.parent)
     except OSError as exc:
         return f"not readable: {exc.strerror}"
     with open(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
             return "not a plain file with one link (not saved)"
-        data = f.read(st.st_size)
-    info = tarfile.TarInfo(rel)
-    info.size, info.mode, info.mtime = len(data), st.st_mode & 0o700, int(st.st_mtime)
-    tar.addfile(info, io.BytesIO(data))
+        size = st.st_size
+        if raw.tell() + 3 * _BLOCK + size > limit:
+            raise CheckpointTooLargeError(
+                f"the working directory's file {entry.rel!r} ({size} bytes) takes the archive "
+                f"past max_checkpoint_bytes={limit}; nothing was saved"
+            )
+        info = tarfile.TarInfo(entry.rel)
+        info.size, info.mode, info.mtime = size, st.st_mode & 0o700, int(st.st_mtime)
+        tar.addfile(info, _Exactly(f, size))
     return None
+
+
+class _Exactly:
+    """A file read as exactly ``size`` bytes: zeros for what was cut while it was read, and
+    nothing of what was added (the tenant may change it meanwhile)."""
+
+    def __init__(self, f: BinaryIO, size: int) -> None:
+        self._f, self._left = f, size
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._left if n < 0 else min(n, self._left)
+        data = self._f.read(n) if n else b""
+        if len(data) < n:
+            data += bytes(n - len(data))
+        self._left -= len(data)
+        return data
 
 
 def _crc_file(path: Path) -> int:
@@ -98,11 +121,46 @@ def _crc_file(path: Path) -> int:
 
 def extract(source: Path, workdir: Path, size: int, crc: int) -> str | None:
     """Unpack an archive into ``workdir`` if that is empty; what went wrong, else None."""
-    with os.scandir(workdir) as entries:
-        if any(entries):
+    top = _trees.open_top(workdir)
+    try:
+        if os.listdir(top):
             return None  # the session kept its directory (same executor): nothing to put back
-    if os.path.getsize(source) != size or _crc_file(source) != crc:
-        return "the working directory's archive is damaged; its files were not restored"
-    with tarfile.open(source, mode="r") as tar:
-        tar.extractall(workdir, filter="data")
+        if os.path.getsize(source) != size or _crc_file(source) != crc:
+            return "the working directory's archive is damaged; its files were not restored"
+        with tarfile.open(source, mode="r") as tar:
+            for member in tar:
+                _unpack(tar, member, top)
+    finally:
+        os.close(top)
     return None
+
+
+def _unpack(tar: tarfile.TarFile, member: tarfile.TarInfo, top: int) -> None:
+    """Make one member below ``top``: directories and plain files only, new entries only."""
+    parts = PurePosixPath(member.name).parts
+    if not parts or parts[0] == "/" or ".." in parts or len(parts) > _trees.MAX_DEPTH:
+        return
+    here = os.dup(top)
+    try:
+        for part in parts[:-1]:
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(part, 0o700, dir_fd=here)
+            below = _trees.open_dir(here, part)
+            os.close(here)
+            here = below
+        name = parts[-1]
+        if member.isdir():
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(name, 0o700, dir_fd=here)
+        elif member.isreg():
+            data = tar.extractfile(member)
+            if data is None:
+                return
+            out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW,
+                          member.mode & 0o700, dir_fd=here)  # fmt: skip
+            with open(out, "wb") as f:
+                while chunk := data.read(1 << 20):
+                    f.write(chunk)
+            os.utime(name, (member.mtime, member.mtime), dir_fd=here, follow_symlinks=False)
+    finally:
+        os.close(here)

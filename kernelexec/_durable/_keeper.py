@@ -16,13 +16,13 @@ import importlib.resources
 import json
 import logging
 import os
-import shutil
 import stat
 import time
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, Literal
 
+from kernelexec import _trees
 from kernelexec._durable import _files
 from kernelexec._durable import _kernel_state as ks
 from kernelexec._durable._store import Manifest, StateStore, now_iso
@@ -320,7 +320,7 @@ class SessionState:
             env=self.env,
             gen=int(answer.get("gen") or (self._manifest.gen + 1 if self._manifest else 1)),
             saved_at=now_iso(),
-            records=list(answer.get("records", [])),
+            records=_checked_records(answer.get("records", [])),
             unsaved=unsaved,
             environ=dict(answer.get("environ", {})),
             files=files,
@@ -432,6 +432,22 @@ def _too_large(answer: dict[str, Any]) -> CheckpointTooLargeError:
     )
 
 
+def _checked_records(records: Any) -> list[dict[str, Any]]:
+    """The records the kernel announced, each size a whole number of bytes (the kernel's
+    answer is checked, never trusted: a negative size would hide bytes from the limit).
+
+    Raises:
+        StateError: a record is not of that shape.
+    """
+    if not isinstance(records, list):
+        raise StateError("the kernel's checkpoint answer has no list of records")
+    for rec in records:
+        size = rec.get("size", 0) if isinstance(rec, dict) else None
+        if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+            raise StateError(f"the kernel announced a record of {size!r} bytes")
+    return list(records)
+
+
 def _copy_out(source: Path, name: str, dir_fd: int) -> None:
     fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd)
     try:
@@ -455,6 +471,7 @@ def _clear_staging(staging: Path) -> None:
     except FileNotFoundError:
         return
     if stat.S_ISDIR(st.st_mode):
-        shutil.rmtree(staging, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            _trees.remove(staging)
     else:
         os.unlink(staging)

@@ -27,13 +27,13 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import stat
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kernelexec import _trees
 from kernelexec._exceptions import ConfigError
 from kernelexec._models import HibernatedAgent
 
@@ -179,7 +179,7 @@ class StateStore:
                     continue
                 if staged_fd is None:
                     raise OSError(errno.ENOENT, f"record {name} is missing")
-                _take(staged_fd, str(name), where / name, int(rec["size"]))
+                _take(staged_fd, str(name), where / name, rec.get("size"))
                 moved += int(rec["size"])
         finally:
             if staged_fd is not None:
@@ -206,7 +206,7 @@ class StateStore:
         where = self.agent_dir(agent_id, env)
         if not where.exists():
             return False
-        shutil.rmtree(where)
+        _trees.remove(where)
         return True
 
     def new_files_path(self, agent_id: str, env: str) -> Path:
@@ -260,45 +260,38 @@ def _open_staging(staging: Path) -> int | None:
         return None
 
 
-def _take(staging_fd: int, name: str, target: Path, size: int) -> None:
-    """Move a file the kernel staged into the private directory, accepting only a plain file
-    with one link of ``size`` bytes; it is the host's, 0600 and synced afterwards."""
-    try:
-        # Once inside the private directory, the kernel cannot swap it any more.
-        os.rename(name, target, src_dir_fd=staging_fd)
-    except OSError as exc:
-        if exc.errno != errno.EXDEV:
-            raise
-        _copy_in(staging_fd, name, target)
-    try:
-        st = os.lstat(target)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != size:
-            raise OSError(errno.EINVAL, f"staged record {name} is not a plain file")
-        fd = os.open(target, os.O_RDONLY | os.O_NOFOLLOW)
-        try:
-            os.fchown(fd, os.geteuid(), os.getegid())
-            os.fchmod(fd, 0o600)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(target)
-        raise
+def _take(staging_fd: int, name: str, target: Path, size: object) -> None:
+    """Copy a file the kernel staged into the private directory, accepting only a plain file
+    with one link of exactly ``size`` bytes (a number the kernel announced: checked, never
+    trusted), holes kept; it is the host's, 0600 and synced afterwards.
 
-
-def _copy_in(staging_fd: int, name: str, target: Path) -> None:
+    The file is copied, never moved: a kernel holding it open could still write to a file it
+    had moved in.
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise OSError(errno.EINVAL, f"staged record {name}: bad size {size!r}")
     src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=staging_fd)
     try:
         st = os.fstat(src)
-        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1:
-            raise OSError(errno.EINVAL, f"staged record {name} is not a plain file")
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink != 1 or st.st_size != size:
+            raise OSError(errno.EINVAL, f"staged record {name} is not a plain file of {size} bytes")
         dst = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
-            with open(src, "rb", closefd=False) as fin, open(dst, "wb", closefd=False) as fout:
-                shutil.copyfileobj(fin, fout, 8 << 20)
-        finally:
+            for start, end in _trees.data_segments(src, size):
+                while start < end:
+                    chunk = os.pread(src, min(8 << 20, end - start), start)
+                    if not chunk:
+                        break
+                    os.pwrite(dst, chunk, start)
+                    start += len(chunk)
+            os.ftruncate(dst, size)
+            os.fsync(dst)
+        except BaseException:
             os.close(dst)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(target)
+            raise
+        os.close(dst)
     finally:
         os.close(src)
     with contextlib.suppress(OSError):

@@ -33,12 +33,12 @@ import fcntl
 import logging
 import os
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile
 from functools import lru_cache
 
+from kernelexec import _trees
 from kernelexec._sandbox import _nshelper
 from kernelexec._tempdirs import detach, mount_points, process_alive, process_start_time
 
@@ -70,11 +70,13 @@ def _source() -> str:
     return f"{_SOURCE_PREFIX}{pid}:{process_start_time(pid)}"
 
 
+def _inodes(size_mb: int) -> int:
+    """The inode cap of a capped directory: what the copy back may walk (entries)."""
+    return min(_trees.MAX_ENTRIES, max(4096, size_mb * _INODES_PER_MB))
+
+
 def _mount(path: str, size_mb: int, uid: int) -> None:
-    options = (
-        f"size={size_mb}m,nr_inodes={max(4096, size_mb * _INODES_PER_MB)},"
-        f"mode=0700,uid={uid},gid={uid}"
-    )
+    options = f"size={size_mb}m,nr_inodes={_inodes(size_mb)},mode=0700,uid={uid},gid={uid}"
     libc = _libc()
     if libc.mount(_source().encode(), path.encode(), b"tmpfs", _MS_NOSUID | _MS_NODEV,
                   options.encode()) != 0:  # fmt: skip
@@ -137,9 +139,9 @@ def cap(path: str, size_mb: int, uid: int) -> None:
                 f"the working directory {path} holds more than max_disk_mb={size_mb} MiB",
             ) from None
         raise
-    shutil.rmtree(aside, ignore_errors=True)
+    _trees.remove(aside)
     if left_out:
-        log.warning("left out of the capped directory %s: %s", path, ", ".join(left_out))
+        log.warning("left out of the capped directory %s: %r", path, left_out)
 
 
 def uncap(path: str) -> None:
@@ -150,15 +152,17 @@ def uncap(path: str) -> None:
         return
     out = tempfile.mkdtemp(prefix=".kx-out-", dir=os.path.dirname(path))
     try:
-        copy_tree(path, out)
-    except BaseException:
-        shutil.rmtree(out, ignore_errors=True)
-        raise
+        left_out = copy_tree(path, out)
+    except Exception as exc:
+        # The mount goes whatever happens: a tmpfs left behind outlives every host.
+        left_out = [f"(the copy stopped: {exc!r})"]
+    if left_out:
+        log.warning("left out of the copy back of %s: %r", path, left_out)
     _unmount(path)
     with contextlib.suppress(OSError):  # emptied when it was capped; a stale mount may hide more
         os.rmdir(path)
     if os.path.lexists(path):
-        shutil.rmtree(path, ignore_errors=True)
+        _trees.remove(path)
     os.rename(out, path)
 
 
@@ -285,114 +289,28 @@ except OSError:
 
 def copy_tree(src: str, dst: str, *, outside_links: bool = True) -> list[str]:
     """Copy the tree at ``src`` into the existing directory ``dst`` as described in the
-    module's docstring; the paths left out (relative to ``src``).
+    module's docstring (:func:`kernelexec._trees.copy`: through descriptors, nothing followed,
+    one descriptor per level, what lies past the depth bound left out and named); the paths
+    left out (relative to ``src``).
 
     With ``outside_links=False`` a file that also has links outside the tree is left out: a
     link planted to a file elsewhere on the host never reaches a kernel's user (as
     ``_users.hand_over`` never hands such a file over).
     """
-    skipped: list[str] = []
-    linked: dict[tuple[int, int], str] = {}
-    inside = {} if outside_links else _links_inside(src)
-    top = os.open(src, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
-    stack = [(top, dst, "")]
+    top = _trees.open_top(src)
     try:
-        while stack:
-            dirfd, target, rel = stack.pop()
-            try:
-                with os.scandir(dirfd) as entries:
-                    listed = list(entries)
-                for entry in listed:
-                    name = entry.name
-                    st = entry.stat(follow_symlinks=False)
-                    here = os.path.join(target, name)
-                    if stat.S_ISDIR(st.st_mode):
-                        fd = os.open(
-                            name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=dirfd
-                        )
-                        os.mkdir(here, stat.S_IMODE(st.st_mode) & 0o777 | 0o700)
-                        _keep_opaque(fd, here)
-                        stack.append((fd, here, os.path.join(rel, name)))
-                    elif stat.S_ISLNK(st.st_mode):
-                        os.symlink(os.readlink(name, dir_fd=dirfd), here)
-                    elif stat.S_ISREG(st.st_mode):
-                        key = (st.st_dev, st.st_ino)
-                        if not outside_links and st.st_nlink > inside.get(key, 1):
-                            skipped.append(os.path.join(rel, name))
-                            continue
-                        if st.st_nlink > 1 and key in linked:
-                            os.link(linked[key], here)
-                            continue
-                        _copy_file(dirfd, name, here)
-                        if st.st_nlink > 1:
-                            linked[key] = here
-                    elif stat.S_ISCHR(st.st_mode) and st.st_rdev == 0:
-                        os.mknod(here, stat.S_IFCHR | 0o600, 0)  # a whiteout (see above)
-                    else:
-                        skipped.append(os.path.join(rel, name))
-            finally:
-                os.close(dirfd)
-    finally:
-        for fd, _, _ in stack:
-            os.close(fd)
-    return skipped
-
-
-_OPAQUE = "trusted.overlay.opaque"
-
-
-def _keep_opaque(fd: int, dest: str) -> None:
-    """Keep overlayfs's mark on a directory that hides what the lower layer has there (one
-    the kernel removed and made again). Overlayfs sets it; a tenant cannot set it by hand, and
-    it only ever hides the lower layer in that tenant's own view."""
-    try:
-        value = os.getxattr(fd, _OPAQUE)
-    except OSError:
-        return
-    with contextlib.suppress(OSError):
-        os.setxattr(dest, _OPAQUE, value, follow_symlinks=False)
-
-
-def _links_inside(top: str) -> dict[tuple[int, int], int]:
-    """How many links each file with several has inside the tree ``top``."""
-    counts: dict[tuple[int, int], int] = {}
-    for root, _, files in os.walk(top):
-        for name in files:
-            with contextlib.suppress(OSError):
-                st = os.lstat(os.path.join(root, name))
-                if stat.S_ISREG(st.st_mode) and st.st_nlink > 1:
-                    key = (st.st_dev, st.st_ino)
-                    counts[key] = counts.get(key, 0) + 1
-    return counts
-
-
-def _copy_file(dirfd: int, name: str, dest: str) -> None:
-    """Copy one plain file, holes kept (its data only is read and written)."""
-    src = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dirfd)
-    try:
-        st = os.fstat(src)
-        if not stat.S_ISREG(st.st_mode):  # swapped since it was listed
-            return
-        out = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL, stat.S_IMODE(st.st_mode) & 0o777)
+        out = _trees.open_top(dst)
         try:
-            offset = 0
-            while offset < st.st_size:
-                try:
-                    start = os.lseek(src, offset, os.SEEK_DATA)
-                except OSError as exc:
-                    if exc.errno == errno.ENXIO:  # only a hole is left
-                        break
-                    raise
-                end = os.lseek(src, start, os.SEEK_HOLE)
-                while start < end:
-                    chunk = os.pread(src, min(1 << 20, end - start), start)
-                    if not chunk:
-                        break
-                    os.pwrite(out, chunk, start)
-                    start += len(chunk)
-                offset = end
-            os.ftruncate(out, st.st_size)
+            done = _trees.copy(top, out, where=src, outside_links=outside_links, whiteouts=True,
+                               xattrs=(_OPAQUE,), skip_too_deep=True)  # fmt: skip
         finally:
             os.close(out)
     finally:
-        os.close(src)
+        os.close(top)
+    return sorted(done.skipped)
+
+
+_OPAQUE = "trusted.overlay.opaque"
+"""Overlayfs's mark on a directory that hides what the lower layer has there (one the kernel
+removed and made again): kept by the copy. Overlayfs sets it; a tenant cannot set it by hand,
+and it only ever hides the lower layer in that tenant's own view."""

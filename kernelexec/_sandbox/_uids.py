@@ -18,7 +18,6 @@ import contextlib
 import ctypes
 import json
 import os
-import shutil
 import signal
 import stat
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 
 import filelock
 
+from kernelexec import _trees
 from kernelexec._tempdirs import KERNEL_UID_BASE as UID_BASE
 from kernelexec._tempdirs import process_alive, process_start_time
 
@@ -170,27 +170,56 @@ def sweep(uid: int, *, files: bool = True) -> list[str]:
 
 
 def _sweep_tree(place: str, uid: int) -> list[str]:
-    """Remove what ``uid`` owns under ``place`` (never following symlinks; a directory it
-    owns goes whole, a host directory is searched)."""
+    """Remove what ``uid`` owns under ``place`` (through descriptors, never following a link:
+    a directory it owns goes whole, a host directory is searched, a few levels down)."""
+    try:
+        top = _trees.open_top(place)
+    except OSError:
+        return []
+    try:
+        return _sweep_dir(top, place, uid, 0)
+    finally:
+        os.close(top)
+
+
+_SWEEP_DEPTH = 8
+
+
+def _sweep_dir(fd: int, where: str, uid: int, depth: int) -> list[str]:
     removed: list[str] = []
     try:
-        entries = list(os.scandir(place))
+        names = os.listdir(fd)
     except OSError:
         return removed
-    for entry in entries:
+    for name in names:
         try:
-            st = entry.stat(follow_symlinks=False)
+            st = os.stat(name, dir_fd=fd, follow_symlinks=False)
         except OSError:
             continue
+        path = os.path.join(where, name)
         if st.st_uid == uid:
-            if stat.S_ISDIR(st.st_mode):
-                shutil.rmtree(entry.path, ignore_errors=True)
-            else:
-                with contextlib.suppress(OSError):
-                    os.unlink(entry.path)
-            removed.append(entry.path)
-        elif stat.S_ISDIR(st.st_mode) and (st.st_uid >= UID_BASE or st.st_mode & 0o002):
-            removed += _sweep_tree(entry.path, uid)  # another kernel's, or everyone's
+            with contextlib.suppress(OSError):
+                if stat.S_ISDIR(st.st_mode):
+                    child = _trees.open_dir(fd, name)
+                    try:
+                        _trees.clear(child)
+                    finally:
+                        os.close(child)
+                    os.rmdir(name, dir_fd=fd)
+                else:
+                    os.unlink(name, dir_fd=fd)
+            removed.append(path)
+        elif (
+            stat.S_ISDIR(st.st_mode)
+            and (st.st_uid >= UID_BASE or st.st_mode & 0o002)
+            and depth < _SWEEP_DEPTH
+        ):
+            with contextlib.suppress(OSError):  # another kernel's, or everyone's
+                child = _trees.open_dir(fd, name)
+                try:
+                    removed += _sweep_dir(child, path, uid, depth + 1)
+                finally:
+                    os.close(child)
     return removed
 
 

@@ -7,10 +7,14 @@ Uids are handed out by :mod:`kernelexec._sandbox._uids` (one record for the whol
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
+from kernelexec import _trees
+from kernelexec._exceptions import TreeLimitError
 from kernelexec._tempdirs import KERNEL_UID_BASE as UID_BASE
 
 
@@ -51,17 +55,21 @@ def hand_back(path: str, uid: int) -> None:
     """Give what ``uid`` owns in ``path`` back to the host's user (the kernel has ended).
 
     The uid is released once its kernel has ended, and nothing a kernel made may stay owned
-    by a uid that a much later kernel could get again.
+    by a uid that a much later kernel could get again. Walked as every tenant tree is
+    (:mod:`kernelexec._trees`); what lies past the walk's bounds stays the uid's.
     """
     host = os.geteuid()
-    for root, dirs, files in os.walk(path):
-        for name in [".", *dirs, *files]:
-            entry = os.path.normpath(os.path.join(root, name))
-            try:
-                if os.lstat(entry).st_uid == uid:
-                    os.chown(entry, host, host, follow_symlinks=False)
-            except FileNotFoundError:
-                continue
+    try:
+        top = _trees.open_top(path)
+    except FileNotFoundError:
+        return
+    try:
+        if os.fstat(top).st_uid == uid:
+            os.fchown(top, host, host)
+        with contextlib.suppress(TreeLimitError):
+            _trees.change_owners(top, host, which=lambda st: st.st_uid == uid, where=path)
+    finally:
+        os.close(top)
 
 
 LAYERS = ".kx-lent"
@@ -73,59 +81,65 @@ only the upper layers inside it change hands."""
 def hand_over(path: str, uid: int) -> None:
     """Give ``path`` and everything under it to ``uid`` (group too), the top mode 0700.
 
-    Symlinks are changed themselves, never followed: the tree may hold what an earlier kernel
-    planted. Only what belongs to the host or to a kernel user changes hands, and never a file
-    with a second hard link (a planted link to a host file would hand that file over). The
-    host's own :data:`LAYERS` folder at the top stays the host's, but for the upper layers in
-    it (what the kernel wrote, which it sees through the mount only).
+    Walked as every tenant tree is (:mod:`kernelexec._trees`: the tree may hold what an
+    earlier kernel planted; links are changed themselves, never followed). Only what belongs
+    to the host or to a kernel user changes hands, and never a file with a second hard link
+    (a planted link to a host file would hand that file over). The host's own :data:`LAYERS`
+    folder at the top stays the host's, but for the upper layers in it (what the kernel wrote,
+    which it sees through the mount only).
+
+    Raises:
+        TreeLimitError: the tree passes a bound of the walk.
     """
-    os.chown(path, uid, uid, follow_symlinks=False)
-    os.chmod(path, 0o700)
     host = os.geteuid()
-    uppers: list[str] = []
-    for root, dirs, files in os.walk(path):
-        if root == path and LAYERS in dirs and _hosts_alone(os.path.join(path, LAYERS)):
-            dirs.remove(LAYERS)
-            uppers = _uppers(os.path.join(path, LAYERS))
-        for name in dirs + files:
-            _give(os.path.join(root, name), uid, host)
-    for upper in uppers:
-        _give(upper, uid, host)
-        for root, dirs, files in os.walk(upper):
-            for name in dirs + files:
-                _give(os.path.join(root, name), uid, host)
 
+    def ours(st: os.stat_result) -> bool:
+        return st.st_uid == host or st.st_uid >= UID_BASE
 
-def _give(entry: str, uid: int, host: int) -> None:
+    top = _trees.open_top(path)
     try:
-        st = os.lstat(entry)
-        if st.st_uid != host and st.st_uid < UID_BASE:
-            return
-        if not stat.S_ISDIR(st.st_mode) and st.st_nlink > 1:
-            return
-        os.chown(entry, uid, uid, follow_symlinks=False)
-    except FileNotFoundError:
-        return
+        os.fchown(top, uid, uid)
+        os.fchmod(top, 0o700)
+        skip: frozenset[str] = frozenset()
+        if _hosts_alone(top, LAYERS):
+            skip = frozenset({LAYERS})
+            _hand_over_uppers(top, uid, ours)
+        _trees.change_owners(top, uid, which=ours, where=path, skip_top=skip)
+    finally:
+        os.close(top)
 
 
-def _hosts_alone(path: str) -> bool:
-    """Whether ``path`` is a directory (not a link) of the host's that no one else may enter."""
+def _hosts_alone(parent: int, name: str) -> bool:
+    """Whether ``name`` in ``parent`` is a directory (not a link) of the host's that no one
+    else may enter."""
     try:
-        st = os.lstat(path)
+        st = os.stat(name, dir_fd=parent, follow_symlinks=False)
     except OSError:
         return False
     return stat.S_ISDIR(st.st_mode) and st.st_uid == os.geteuid() and not st.st_mode & 0o077
 
 
-def _uppers(layers: str) -> list[str]:
-    """The upper layers in the host's :data:`LAYERS` folder ``layers``."""
-    found = []
-    for name in os.listdir(layers):
-        folder = os.path.join(layers, name)
-        upper = os.path.join(folder, "upper")
-        if _hosts_alone(folder) and os.path.isdir(upper) and not os.path.islink(upper):
-            found.append(upper)
-    return found
+def _hand_over_uppers(top: int, uid: int, ours: Callable[[os.stat_result], bool]) -> None:
+    """Give the upper layers in the host's :data:`LAYERS` folder of ``top`` to ``uid``."""
+    layers = _trees.open_dir(top, LAYERS)
+    try:
+        for name in os.listdir(layers):
+            if not _hosts_alone(layers, name):
+                continue
+            folder = _trees.open_dir(layers, name)
+            try:
+                upper = _trees.open_dir(folder, "upper")
+            except OSError:
+                continue
+            finally:
+                os.close(folder)
+            try:
+                os.fchown(upper, uid, uid)
+                _trees.change_owners(upper, uid, which=ours, where=f"{LAYERS}/{name}/upper")
+            finally:
+                os.close(upper)
+    finally:
+        os.close(layers)
 
 
 def kernel_path(python: str, path: str | None, *, own_user: bool) -> str:

@@ -20,6 +20,7 @@ import psutil
 import pytest
 
 import kernelexec as kx
+from kernelexec import _trees
 from kernelexec._sandbox import _disk
 from kernelexec._tempdirs import sweep_stale
 from tests.hostile.conftest import needs_bwrap, needs_root
@@ -115,12 +116,17 @@ def test_copy_back_keeps_holes_and_links_and_follows_nothing(tmp_path: Path) -> 
     os.symlink("/etc/shadow", src / "secret")
     os.mkfifo(src / "fifo")
     deep = src
-    for n in range(200):
+    for n in range(120):
         deep = deep / f"d{n}"
     deep.mkdir(parents=True)
     (deep / "leaf").write_text("deep")
+    too_deep = src / "t"
+    for n in range(_trees.MAX_DEPTH + 2):
+        too_deep = too_deep / "t"
+    too_deep.mkdir(parents=True)
     skipped = _disk.copy_tree(str(src), str(dst))
-    assert skipped == ["fifo"]
+    past = "/".join(["t"] * (_trees.MAX_DEPTH + 1)) + "/"
+    assert skipped == ["fifo", past]  # what lies past the depth bound is named, not copied
     st = (dst / "sparse").stat()
     assert st.st_size == (1 << 40) + 3 and st.st_blocks * 512 < (1 << 20)
     with open(dst / "sparse", "rb") as fh:
