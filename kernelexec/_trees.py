@@ -199,16 +199,16 @@ def copy(
         TreeLimitError: past ``bounds`` (data counts the bytes written, not the holes).
     """
     done = Copied()
-    inside = {} if outside_links else _links_inside(src, bounds, where, skip_top)
+
+    def deep(entry: Entry) -> None:
+        done.skipped[entry.rel + "/"] = f"deeper than {bounds.depth} levels (not copied)"
+
+    too_deep = deep if skip_too_deep else None
+    inside = {} if outside_links else _links_inside(src, bounds, where, skip_top, too_deep)
     linked: dict[tuple[int, int], tuple[int, str]] = {}
     targets = [os.dup(dst)]
     try:
-
-        def deep(entry: Entry) -> None:
-            done.skipped[entry.rel + "/"] = f"deeper than {bounds.depth} levels (not copied)"
-
-        for entry in walk(src, bounds, where=where, skip_top=skip_top,
-                          too_deep=deep if skip_too_deep else None):  # fmt: skip
+        for entry in walk(src, bounds, where=where, skip_top=skip_top, too_deep=too_deep):
             while len(targets) > entry.level:
                 os.close(targets.pop())
             here = targets[-1]
@@ -381,11 +381,15 @@ def _copy_data(source: int, out: int, size: int, spent: int, limit: int | None, 
 
 
 def _links_inside(
-    top: int, bounds: Bounds, where: str, skip_top: frozenset[str]
+    top: int,
+    bounds: Bounds,
+    where: str,
+    skip_top: frozenset[str],
+    too_deep: Callable[[Entry], None] | None,
 ) -> dict[tuple[int, int], int]:
     """How many links each file with several has inside the tree ``top``."""
     counts: dict[tuple[int, int], int] = {}
-    for entry in walk(top, bounds, where=where, skip_top=skip_top):
+    for entry in walk(top, bounds, where=where, skip_top=skip_top, too_deep=too_deep):
         if stat.S_ISREG(entry.st.st_mode) and entry.st.st_nlink > 1:
             key = (entry.st.st_dev, entry.st.st_ino)
             counts[key] = counts.get(key, 0) + 1

@@ -15,7 +15,7 @@ from types import TracebackType
 from typing import Any, TypeVar
 
 from kernelexec._files._commands import AsyncSessionCommands, BackgroundCommand, CommandResult
-from kernelexec._files._session import AsyncSessionFiles, FileReader, FileWriter
+from kernelexec._files._session import MAX_READ_BYTES, AsyncSessionFiles, FileReader, FileWriter
 from kernelexec._files._wire import FileInfo
 from kernelexec._public import public
 
@@ -44,9 +44,9 @@ class SessionFiles:
         """Create or replace ``path`` with ``data``; see :meth:`AsyncSessionFiles.write`."""
         return self._run(self._inner.write, path, data)
 
-    def read(self, path: str | os.PathLike[str]) -> bytes:
-        """The content of ``path``; see :meth:`AsyncSessionFiles.read`."""
-        return self._run(self._inner.read, path)
+    def read(self, path: str | os.PathLike[str], *, max_bytes: int = MAX_READ_BYTES) -> bytes:
+        """The content of ``path``, at most ``max_bytes``; see :meth:`AsyncSessionFiles.read`."""
+        return self._run(self._inner.read, path, max_bytes=max_bytes)
 
     def list(
         self, path: str | os.PathLike[str] = ".", *, recursive: bool = False

@@ -118,7 +118,7 @@ def serve(content: dict[str, Any], buffers: list[memoryview]) -> _Reply:
 
 
 def _error(kind: str, message: str, path: Any) -> dict[str, Any]:
-    return {"status": "error", "kind": kind, "message": message, "path": path}
+    return {"status": "error", "kind": kind, "message": _shown(message), "path": path}
 
 
 # -- paths --------------------------------------------------------------------------------------
@@ -165,9 +165,19 @@ def _open_dir(path: str, root: str, rel: str) -> int:
     return fd
 
 
+def _shown(name: str) -> str:
+    """A file name as text that any reply can carry: bytes that are not UTF-8 (held as
+    surrogates by ``os``) are written as ``\\xNN`` escapes."""
+    try:
+        name.encode("utf-8")
+        return name
+    except UnicodeEncodeError:
+        return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def _info(rel: str, st: os.stat_result, link: bool = False) -> dict[str, Any]:
     return {
-        "path": rel,
+        "path": _shown(rel),
         "size": st.st_size,
         "is_dir": stat.S_ISDIR(st.st_mode),
         "is_symlink": link,

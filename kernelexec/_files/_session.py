@@ -17,11 +17,14 @@ from contextlib import AsyncExitStack
 from types import TracebackType
 from typing import Any
 
+from kernelexec._exceptions import TreeLimitError
 from kernelexec._files._link import KernelLink
 from kernelexec._files._wire import DEFAULT_CHUNK, FileInfo, check_path, raise_for_reply
 from kernelexec._public import public
 from kernelexec.backends._base import KernelConnection, KernelMessage
 
+MAX_READ_BYTES = 64 << 20
+"""What :meth:`AsyncSessionFiles.read` holds in memory at most, by default."""
 WINDOW = 2
 """File operations in flight at once in a stream: the kernel handles one while the host sends
 or takes the other (the kernel answers in order, one at a time, so more would only queue)."""
@@ -73,11 +76,22 @@ class AsyncSessionFiles:
         assert writer.info is not None
         return writer.info
 
-    async def read(self, path: str | os.PathLike[str]) -> bytes:
-        """The content of the file ``path``."""
+    async def read(self, path: str | os.PathLike[str], *, max_bytes: int = MAX_READ_BYTES) -> bytes:
+        """The content of the file ``path``, held whole in memory: at most ``max_bytes``
+        (default 64 MiB; :meth:`open_read` or :meth:`download` stream a larger file).
+
+        Raises:
+            TreeLimitError: the file holds more than ``max_bytes`` (nothing more is read).
+        """
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes must be a whole number of bytes, not {max_bytes!r}")
         data = bytearray()
         async with self.open_read(path) as reader:
+            if reader.size is not None and reader.size > max_bytes:
+                raise TreeLimitError("bytes", max_bytes, f"session file {str(path)!r}")
             async for chunk in reader:
+                if len(data) + len(chunk) > max_bytes:
+                    raise TreeLimitError("bytes", max_bytes, f"session file {str(path)!r}")
                 data += chunk
         return bytes(data)
 
