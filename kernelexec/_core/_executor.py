@@ -12,6 +12,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from kernelexec._branching._family import Brancher
+from kernelexec._codemode._calls import HostCallBounds
 from kernelexec._codemode._exposure import HostFunctions
 from kernelexec._config import ExecutorConfig, ExecutorOptions, make_config
 from kernelexec._core._attach import SessionRegistration
@@ -434,7 +435,12 @@ class AsyncKernelExecutor:
             output_grace=cfg.output_grace,
             max_output_chars=cfg.max_output_chars,
             max_result_chars=cfg.max_result_chars,
-            max_host_calls=cfg.max_host_calls,
+            host_calls=HostCallBounds(
+                calls_per_run=cfg.max_host_calls,
+                result_chars=cfg.max_result_chars,
+                call_bytes=cfg.max_host_call_bytes,
+                in_flight=cfg.max_host_calls_in_flight,
+            ),
             recorder=recorder,
             isolation=self.isolation_of(env),
             backend=self.backend.name,
