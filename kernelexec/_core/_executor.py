@@ -419,6 +419,7 @@ class AsyncKernelExecutor:
                 checkpoint=cfg.checkpoint,
                 limit=cfg.max_checkpoint_bytes,
                 same_user=self.isolation_of(env).level == "none",
+                secret_names=frozenset(cfg.env_vars),
             )
             if recorder is not None:
                 lease.keeper.replayer = _replayer(recorder)

@@ -72,6 +72,8 @@ class SessionState:
         limit: Most bytes of one checkpoint.
         same_user: The kernel runs as the host's user (isolation ``"none"``): a restore links
             the records where the kernel reads them instead of copying them.
+        secret_names: The executor's ``env_vars`` names: their values are never written to
+            the store, and on a restore the fresh kernel's values win over any saved.
     """
 
     def __init__(
@@ -84,8 +86,10 @@ class SessionState:
         checkpoint: Literal["on_evict", "after_call"],
         limit: int,
         same_user: bool = False,
+        secret_names: frozenset[str] = frozenset(),
     ) -> None:
         self.store = store
+        self.secret_names = secret_names
         self.agent_id = agent_id
         self.env = env
         self.workdir = workdir
@@ -171,6 +175,7 @@ class SessionState:
                     "records": manifest.records,
                     "gen": manifest.gen,
                     "environ": manifest.environ,
+                    "keep": sorted(self.secret_names),
                 },
             )
             names = sorted(answer.get("restored", []))
@@ -322,7 +327,7 @@ class SessionState:
             saved_at=now_iso(),
             records=list(answer.get("records", [])),
             unsaved=unsaved,
-            environ=dict(answer.get("environ", {})),
+            environ=self._environ(answer.get("environ")),
             files=files,
         )
         if manifest.size > self.limit:
@@ -336,6 +341,13 @@ class SessionState:
             raise StateError(f"saving the checkpoint failed: {exc}") from exc
         self._manifest, self._files = manifest, (sig, files)
         return manifest, written + (int(files["size"]) if files else 0)
+
+    def _environ(self, environ: Any) -> dict[str, str]:
+        """The kernel's environment as it may be stored: without the executor's ``env_vars``
+        (their values are secrets the next executor gives again, perhaps rotated)."""
+        if not isinstance(environ, dict):
+            return {}
+        return {str(k): str(v) for k, v in environ.items() if k not in self.secret_names}
 
     async def _load_quietly(self) -> None:
         if not self._loaded:
