@@ -33,6 +33,7 @@ from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError
 from kernelexec._models import Execution, Isolation, ToolResult
 from kernelexec._notebooks._io import safe_filename
+from kernelexec._observability._logtext import untrusted
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import bootstrap_request
 from kernelexec._public import public
@@ -648,7 +649,9 @@ class AsyncKernelExecutor:
         results = await asyncio.gather(*(one(s) for s in sessions), return_exceptions=True)
         for session, result in zip(sessions, results, strict=True):
             if isinstance(result, Exception):
-                log.warning("agent %r: not hibernated at close: %s", session.agent_id, result)
+                log.warning(
+                    "agent %r: not hibernated at close: %s", session.agent_id, untrusted(result)
+                )
 
     async def delete_state(self, agent_id: str, env: Env | None = None) -> bool:
         """Delete the saved state of ``agent_id`` (in ``env``, default: the executor's) from

@@ -23,6 +23,7 @@ from kernelexec._codemode._functions import HostFunction
 from kernelexec._core._run import run_internal
 from kernelexec._exceptions import ConfigError
 from kernelexec._models import Execution, HostCall
+from kernelexec._observability._logtext import untrusted
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import ExecuteRequest
 from kernelexec.backends._base import KernelConnection
@@ -62,7 +63,7 @@ class SessionCodeMode:
             why = str((out.collected.error or reply).get("evalue") or "no reply")
             if strict:
                 raise ConfigError(f"the host functions could not be installed in the kernel: {why}")
-            log.warning("code mode could not be installed in the kernel: %s", why)
+            log.warning("code mode could not be installed in the kernel: %s", untrusted(why))
             return
         self._exposure.installed(generation)
 

@@ -58,6 +58,7 @@ from kernelexec._models import (
     ToolResult,
     now_iso,
 )
+from kernelexec._observability._logtext import untrusted
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import CodeRun, ToolCall
@@ -777,7 +778,7 @@ class AsyncSession:
         reply = out.read()
         error = results.kernel_lost(out, reply, timeout)
         if error is not None:
-            log.warning("agent %r: %s", self.agent_id, error.evalue)
+            log.warning("agent %r: %s", self.agent_id, untrusted(error.evalue))
             replaced, problem = await self._replace_kernel()
             if problem is None:
                 return error, None, (lost or []) + replaced

@@ -28,6 +28,7 @@ from kernelexec._durable import _kernel_state as ks
 from kernelexec._durable._store import Manifest, StateStore, now_iso
 from kernelexec._exceptions import CheckpointTooLargeError, StateError
 from kernelexec._models import Hibernation, Restored
+from kernelexec._observability._logtext import untrusted
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import ExecuteRequest
 
@@ -146,7 +147,7 @@ class SessionState:
             try:
                 await self._ask(run, generation, "forget", {})
             except StateError as exc:
-                log.warning("agent %r: durable state not set up: %s", self.agent_id, exc)
+                log.warning("agent %r: durable state not set up: %s", self.agent_id, untrusted(exc))
         return restored, lost
 
     async def _restore(
@@ -157,7 +158,7 @@ class SessionState:
         self._problems = []
         if manifest is None:
             for p in problems:
-                log.warning("agent %r: checkpoint not used: %s", self.agent_id, p)
+                log.warning("agent %r: checkpoint not used: %s", self.agent_id, untrusted(p))
             return Restored(seconds=time.monotonic() - start, problems=problems)
         not_restored = {n: f"not saved: {why}" for n, why in manifest.unsaved.items()}
         try:
@@ -192,7 +193,7 @@ class SessionState:
             for name in replayed:
                 not_restored.pop(name, None)
         for p in problems:
-            log.warning("agent %r: %s", self.agent_id, p)
+            log.warning("agent %r: %s", self.agent_id, untrusted(p))
         return Restored(
             names=names,
             bytes=manifest.size,
@@ -298,7 +299,7 @@ class SessionState:
                 "agent %r: after-call checkpoint failed (checkpoints stop until the session's "
                 "next kernel; its saved state is deleted): %s",
                 self.agent_id,
-                exc,
+                untrusted(exc),
             )
             await asyncio.to_thread(self._invalidate)
             self._hook_broken = True
