@@ -61,6 +61,15 @@ class ExecutorConfig(BaseModel):
             answer of a host function to kernel code).
         max_host_calls: Calls one run's code may make to host functions (code mode); later
             calls get ``HostCallLimitExceeded``.
+        max_host_call_bytes: Largest arguments of one host call, and largest answer of a host
+            function, in bytes of UTF-8 JSON (code mode); past it the call fails in the kernel
+            with ``HostCallLimitExceeded`` and the host function does not run (or its answer is
+            dropped). Bounds the host memory one call can hold.
+        max_host_calls_in_flight: Host calls of one session accepted and not yet answered;
+            the kernel half waits for a free slot before sending more, and a call forged past
+            it fails with ``HostCallLimitExceeded`` without running. With
+            ``max_host_call_bytes`` it bounds the argument bytes a session pins on the host.
+            At most 512: well below the 1,000 messages ZeroMQ queues before dropping.
         workdir: Directory under which each session gets its working directory (default: a
             private temporary directory removed on close).
         record: Record every run of every session as a notebook cell (``Session.notebook``).
@@ -123,6 +132,8 @@ class ExecutorConfig(BaseModel):
     max_output_chars: int = Field(1_000_000, ge=100)
     max_result_chars: int = Field(10_000_000, ge=100)
     max_host_calls: int = Field(1000, ge=1)
+    max_host_call_bytes: int = Field(1 << 20, ge=1024)
+    max_host_calls_in_flight: int = Field(64, ge=1, le=512)
     workdir: Path | None = None
     record: bool = False
     env: Env = Field(default_factory=LocalEnv)
@@ -207,6 +218,8 @@ class ExecutorOptions(TypedDict, total=False):
     max_output_chars: int
     max_result_chars: int
     max_host_calls: int
+    max_host_call_bytes: int
+    max_host_calls_in_flight: int
     workdir: str | os.PathLike[str] | None
     record: bool
     env: LocalEnv | VenvEnv

@@ -9,15 +9,25 @@ exposed function, carries a fresh well-formed id and fits the run's call limit; 
 JSON value or a typed refusal carrying a message, never a host traceback. Each finished call is
 kept as a :class:`~kernelexec.HostCall` for the run's result (and, when the session records, as
 an output of the recorded cell).
+
+What a session's calls may spend on the host is bounded (:class:`HostCallBounds`): the bytes of
+a call's arguments are measured before they are parsed, calls accepted and not yet answered are
+counted across the session's runs (:class:`InFlight`), an answer is measured before it is sent,
+and plain host functions run on the session's own threads (:class:`HostThreads`), never on the
+event loop's default pool that kernel starts, saves and shutdowns use.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import functools
 import logging
 import time
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, TypeVar
 
 from kernelexec import _json
 from kernelexec._codemode._functions import (
@@ -25,6 +35,7 @@ from kernelexec._codemode._functions import (
     CallTimedOut,
     HostFunction,
     NotJSON,
+    TooLarge,
     result_text,
 )
 from kernelexec._codemode._kernel_side import HOST_CALL, HOST_REPLY
@@ -37,8 +48,73 @@ HOST_CALL_MIME = "application/vnd.kernelexec.host-call+json"
 """The MIME type of a host call's record among a recorded cell's outputs."""
 
 _MAX_ID = 64
-_MAX_IN_FLIGHT = 32  # calls of one run running at once on the host; the rest wait their turn
+_MAX_LABEL = 100  # characters of a module or function name kept from the kernel
+_MAX_RUNNING = 32  # calls of one run running at once on the host; the rest wait their turn
 _FINISH_WAIT = 1.0  # seconds to let cancelled calls end before the run's result is made
+HOST_THREADS = 8
+"""Threads of one session for its plain (``def``) host functions; more calls wait for one."""
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True, slots=True)
+class HostCallBounds:
+    """What one session's host calls may spend on the host (the executor's settings)."""
+
+    calls_per_run: int = 1000  # max_host_calls
+    result_chars: int = 10_000_000  # max_result_chars
+    call_bytes: int = 1 << 20  # max_host_call_bytes: arguments, and an answer
+    in_flight: int = 64  # max_host_calls_in_flight
+
+    def kernel_half(self) -> dict[str, int]:
+        """The bounds the kernel half applies before sending, so honest code never meets the
+        host's refusal."""
+        return {"bytes": self.call_bytes, "in_flight": self.in_flight}
+
+
+class InFlight:
+    """Host calls of one session accepted and not yet answered, against its bound."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.count = 0
+
+    def take(self) -> bool:
+        """Count one more call; False (nothing counted) when the bound is reached."""
+        if self.count >= self.limit:
+            return False
+        self.count += 1
+        return True
+
+    def give(self) -> None:
+        """A call was answered (or dropped)."""
+        self.count -= 1
+
+
+class HostThreads:
+    """One session's threads for plain host functions, started when first needed and shut
+    down with the session: a tenant's slow functions wait for these, and nothing else does."""
+
+    def __init__(self, size: int = HOST_THREADS) -> None:
+        self._size = size
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """``fn()`` on one of the session's threads (with the caller's context variables)."""
+        if self._closed:
+            raise RuntimeError("the session is closed")
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self._size, thread_name_prefix="kernelexec-host-fn")
+        call = functools.partial(contextvars.copy_context().run, fn)
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
+    def close(self) -> None:
+        """Refuse new work and drop what waits; a function still running is not waited for
+        (its thread ends when it returns)."""
+        self._closed = True
+        if self._pool is not None:
+            self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class HostCalls:
@@ -48,8 +124,9 @@ class HostCalls:
         conn: The kernel's connection (answers go back on its control channel).
         exposed: Module name -> function name -> function: everything kernel code may call.
         agent_id: The session's agent id (for ``agent_id``/``context`` parameters).
-        max_calls: Calls the run may make; later ones are refused.
-        max_result_chars: The largest answer, in characters of JSON.
+        bounds: What the session's calls may spend.
+        in_flight: The session's calls accepted and not yet answered (shared by its runs).
+        threads: The session's threads for plain host functions.
         record: Also add each finished call to ``outputs`` (the session records).
         outputs: The run's collected outputs.
     """
@@ -60,22 +137,25 @@ class HostCalls:
         exposed: Mapping[str, Mapping[str, HostFunction]],
         *,
         agent_id: str,
-        max_calls: int,
-        max_result_chars: int,
+        bounds: HostCallBounds,
+        in_flight: InFlight,
+        threads: HostThreads,
         record: bool,
         outputs: list[dict[str, Any]],
     ) -> None:
         self._conn = conn
         self._exposed = exposed
         self._agent_id = agent_id
-        self._max_calls = max_calls
-        self._max_result = max_result_chars
+        self._bounds = bounds
+        self._in_flight = in_flight
+        self._threads = threads
         self._record = record
         self._outputs = outputs
         self._seen: set[str] = set()  # ids of the calls within the limit
         self._count = 0  # calls taken (forged repeats aside)
         self._tasks: dict[str, asyncio.Task[None]] = {}
-        self._slots = asyncio.Semaphore(_MAX_IN_FLIGHT)
+        self._counted: set[str] = set()  # ids of the calls counted in flight
+        self._slots = asyncio.Semaphore(_MAX_RUNNING)
         self._ended = False
         self.calls: list[HostCall] = []
 
@@ -91,15 +171,15 @@ class HostCalls:
             return True  # a forged repeat: the first call with this id keeps its answer
         self._count += 1
         module, name = content.get("module"), content.get("name")
-        label = (str(module), str(name))
-        if self._count > self._max_calls:
+        label = (_label(module), _label(name))
+        limit = self._bounds.calls_per_run
+        if self._count > limit:
             # Refused at once; past twice the limit no longer kept either (a flood must not
             # grow the result), and ids need no tracking: nothing of them will run.
             message = (
-                f"this run made more than {self._max_calls} host calls (the per-run limit, "
-                "max_host_calls)"
+                f"this run made more than {limit} host calls (the per-run limit, max_host_calls)"
             )
-            keep = self._count <= 2 * self._max_calls
+            keep = self._count <= 2 * limit
             self._answer_now(call_id, label, "refused", message, kind="limit", keep=keep)
             return True
         self._seen.add(call_id)
@@ -107,12 +187,43 @@ class HostCalls:
         if isinstance(module, str) and isinstance(name, str):
             function = (self._exposed.get(module) or {}).get(name)
         if function is None:
-            self._answer_now(call_id, label, "refused", f"{module}.{name} is not exposed")
-        else:
-            task = asyncio.ensure_future(self._serve(call_id, label, function, content))
-            self._tasks[call_id] = task
-            task.add_done_callback(lambda _: self._tasks.pop(call_id, None))
+            self._answer_now(call_id, label, "refused", f"{label[0]}.{label[1]} is not exposed")
+            return True
+        over = self._over_bounds(label, content.get("args"))
+        if over is not None:
+            self._answer_now(call_id, label, "refused", over, kind="limit")
+            return True
+        self._counted.add(call_id)
+        task = asyncio.ensure_future(self._serve(call_id, label, function, content))
+        self._tasks[call_id] = task
+        task.add_done_callback(lambda _: self._done(call_id))
         return True
+
+    def _done(self, call_id: str) -> None:
+        self._tasks.pop(call_id, None)
+        self._answered(call_id)  # a task cancelled before it started never did
+
+    def _answered(self, call_id: str) -> None:
+        if call_id in self._counted:
+            self._counted.discard(call_id)
+            self._in_flight.give()
+
+    def _over_bounds(self, label: tuple[str, str], args: Any) -> str | None:
+        """Why a call may not run (its arguments' size, the session's calls in flight), or
+        None when it takes a place in flight. Measured before the arguments are parsed."""
+        limit = self._bounds.call_bytes
+        size = _utf8_size(args, limit) if isinstance(args, str) else 0
+        if size > limit:
+            return (
+                f"the arguments of {label[0]}.{label[1]}() are {size} bytes of JSON or more; "
+                f"a host call takes at most {limit} (max_host_call_bytes)"
+            )
+        if not self._in_flight.take():
+            return (
+                f"this session has {self._in_flight.limit} host calls in flight, its limit "
+                "(max_host_calls_in_flight); wait for an answer before calling again"
+            )
+        return None
 
     def interrupted(self) -> None:
         """The run is being interrupted: cancel the calls in flight; each tells the kernel
@@ -140,48 +251,66 @@ class HostCalls:
     async def _serve(
         self, call_id: str, label: tuple[str, str], function: HostFunction, content: Any
     ) -> None:
+        # The call leaves the session's count before its answer is sent: the kernel half
+        # frees its own slot only on the answer, so it never has more in flight than we allow.
+        cancelled: asyncio.CancelledError | None = None
+        try:
+            reply = await self._run(call_id, label, function, content)
+        except asyncio.CancelledError as exc:
+            cancelled = exc
+            reply = _failure(call_id, "cancelled", "the run was interrupted")
+        finally:
+            self._answered(call_id)
+        await self._send(reply)
+        if cancelled is not None:
+            raise cancelled
+
+    async def _run(
+        self, call_id: str, label: tuple[str, str], function: HostFunction, content: Any
+    ) -> dict[str, Any]:
+        """Run one call: the answer to send (the call is kept)."""
         start = time.monotonic()
         try:
             arguments = _json.loads(content.get("args"))
         except (ValueError, TypeError, RecursionError) as exc:
             self._keep(label, None, start, "invalid_args", error=f"unreadable arguments: {exc}")
-            await self._reply(call_id, "invalid_args", "the arguments are not readable JSON")
-            return
+            return _failure(call_id, "invalid_args", "the arguments are not readable JSON")
         try:
             async with self._slots:
                 args = function.check(arguments)
                 context = HostCallContext(
                     agent_id=self._agent_id, module=label[0], function=label[1], call_id=call_id
                 )
-                value = await function.run(args, context)
-                text = result_text(value, self._max_result)
+                value = await function.run(args, context, self._threads.run)
+                text = result_text(value, self._bounds.result_chars, self._bounds.call_bytes)
         except asyncio.CancelledError:
             self._keep(label, arguments, start, "cancelled", error="the run was interrupted")
-            if not self._ended:
-                await self._reply(call_id, "cancelled", "the run was interrupted")
             raise
         except ArgumentsRejected as exc:
             self._keep(label, arguments, start, "invalid_args", error=str(exc))
-            await self._reply(call_id, "invalid_args", str(exc))
+            return _failure(call_id, "invalid_args", str(exc))
         except CallTimedOut:
             why = f"{label[1]}() took longer than its timeout of {function.timeout:g} s"
             self._keep(label, arguments, start, "timeout", error=why)
-            await self._reply(call_id, "timeout", why)
+            return _failure(call_id, "timeout", why)
+        except TooLarge as exc:
+            why = f"{label[1]}() {exc}"
+            self._keep(label, arguments, start, "error", error=why)
+            return _failure(call_id, "limit", why)
         except NotJSON as exc:
             why = f"{label[1]}() {exc}"
             self._keep(label, arguments, start, "error", error=why)
-            await self._reply(call_id, "error", why, host_type="NotJSON")
+            return _failure(call_id, "error", why, host_type="NotJSON")
         except TimeoutError as exc:  # the function's own: the kernel gets HostCallTimeout too
             why = f"{type(exc).__name__}: {exc}"
             self._keep(label, arguments, start, "timeout", error=why)
-            await self._reply(call_id, "timeout", str(exc) or why)
+            return _failure(call_id, "timeout", str(exc) or why)
         except Exception as exc:
             why = f"{type(exc).__name__}: {exc}"
             self._keep(label, arguments, start, "error", error=why)
-            await self._reply(call_id, "error", str(exc), host_type=type(exc).__name__)
-        else:
-            self._keep(label, arguments, start, "ok", result=_json.loads(text))
-            await self._send({"id": call_id, "ok": True, "value": text})
+            return _failure(call_id, "error", str(exc), host_type=type(exc).__name__)
+        self._keep(label, arguments, start, "ok", result=_json.loads(text))
+        return {"id": call_id, "ok": True, "value": text}
 
     def _answer_now(
         self,
@@ -199,11 +328,8 @@ class HostCalls:
         self._tasks[call_id] = task
         task.add_done_callback(lambda _: self._tasks.pop(call_id, None))
 
-    async def _reply(self, call_id: str, kind: str, message: str, host_type: str = "") -> None:
-        content = {"id": call_id, "ok": False, "kind": kind, "message": message}
-        if host_type:
-            content["type"] = host_type
-        await self._send(content)
+    async def _reply(self, call_id: str, kind: str, message: str) -> None:
+        await self._send(_failure(call_id, kind, message))
 
     async def _send(self, content: dict[str, Any]) -> None:
         if self._ended:
@@ -235,6 +361,32 @@ class HostCalls:
         self.calls.append(call)
         if self._record:
             self._outputs.append(record_output(call))
+
+
+def _failure(call_id: str, kind: str, message: str, host_type: str = "") -> dict[str, Any]:
+    content = {"id": call_id, "ok": False, "kind": kind, "message": message}
+    if host_type:
+        content["type"] = host_type
+    return content
+
+
+def _label(value: Any) -> str:
+    """A module or function name as the kernel sent it, cut short (it is kept and echoed)."""
+    if isinstance(value, str):
+        text = value
+    elif value is None or isinstance(value, bool | int | float):
+        text = repr(value)
+    else:
+        text = f"<{type(value).__name__}>"
+    return text if len(text) <= _MAX_LABEL else text[:_MAX_LABEL] + "..."
+
+
+def _utf8_size(text: str, limit: int) -> int:
+    """Bytes of ``text`` in UTF-8; a text too long for ``limit`` is not encoded to find out
+    (its length in characters, already over, is returned)."""
+    if text.isascii() or len(text) > limit:
+        return len(text)
+    return len(text.encode("utf-8", "surrogatepass"))
 
 
 def record_output(call: HostCall) -> dict[str, Any]:

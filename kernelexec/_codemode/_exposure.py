@@ -28,7 +28,8 @@ DEFAULT_MODULE = "tools"
 class Exposure:
     """A session's exposed modules, and what its current kernel already has."""
 
-    def __init__(self) -> None:
+    def __init__(self, bounds: Mapping[str, int] | None = None) -> None:
+        self._bounds = dict(bounds or {})  # applied by the kernel half before it sends
         self.modules: dict[str, dict[str, HostFunction]] = {}
         self._generation = -1  # the kernel that has the kernel half installed
         self._sent: set[str] = set()  # modules that kernel has in their current version
@@ -78,7 +79,10 @@ class Exposure:
             store_history=False,
             metadata={
                 "kernelexec_codemode_source": source,
-                kernel_side.METADATA_KEY: {"modules": self._specs(self.modules)},
+                kernel_side.METADATA_KEY: {
+                    "modules": self._specs(self.modules),
+                    "bounds": self._bounds,
+                },
             },
         )
 

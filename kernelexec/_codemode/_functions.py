@@ -2,8 +2,9 @@
 
 Holds what the kernel needs to show it (name, signature, docstring, sync or async), what the
 host needs to check a call (a pydantic model of its parameters, or the tool's JSON schema), and
-how to run it: ``async def`` functions on the event loop, plain ones in a worker thread (a slow
-sync function on the loop would stall every session), each within its own timeout.
+how to run it: ``async def`` functions on the event loop, plain ones on a thread of the session
+(a slow sync function on the loop would stall every session, and one in the loop's default pool
+every kernel start), each within its own timeout.
 
 A parameter named ``agent_id`` or ``context`` is filled in by kernelexec (the session's agent
 id, a :class:`~kernelexec.HostCallContext`); kernel code neither sees nor passes it.
@@ -43,6 +44,10 @@ class ArgumentsRejected(Exception):
 
 class NotJSON(Exception):
     """The host function returned something that is not a JSON value."""
+
+
+class TooLarge(NotJSON):
+    """The host function's answer passes the bytes a host call may carry."""
 
 
 class CallTimedOut(Exception):
@@ -213,8 +218,14 @@ class HostFunction:
             raise ArgumentsRejected(f"{self.name}(): {_problems(exc)}") from None
         return {key: getattr(model, key) for key in args}
 
-    async def run(self, args: dict[str, Any], context: HostCallContext) -> Any:
-        """Call the function (within its own timeout; :class:`CallTimedOut` past it)."""
+    async def run(
+        self,
+        args: dict[str, Any],
+        context: HostCallContext,
+        threads: Callable[[Callable[[], Any]], Awaitable[Any]],
+    ) -> Any:
+        """Call the function (within its own timeout; :class:`CallTimedOut` past it); a plain
+        function runs through ``threads`` (the session's own)."""
         kwargs = dict(args)
         if "agent_id" in self.injected:
             kwargs["agent_id"] = context.agent_id
@@ -223,7 +234,7 @@ class HostFunction:
         if self.is_async:
             work: Any = self.fn(**kwargs)
         else:
-            work = asyncio.to_thread(functools.partial(self.fn, **kwargs))
+            work = threads(functools.partial(self.fn, **kwargs))
         if self.timeout is None:
             return await work
         task = asyncio.ensure_future(work)
@@ -237,8 +248,9 @@ class HostFunction:
         return task.result()
 
 
-def result_text(value: Any, limit: int) -> str:
-    """The JSON text of a host function's return value; :class:`NotJSON` when it has none.
+def result_text(value: Any, limit: int, max_bytes: int) -> str:
+    """The JSON text of a host function's return value; :class:`NotJSON` when it has none,
+    :class:`TooLarge` when it passes ``max_bytes`` of UTF-8.
 
     JSON values cross as they are; pydantic models, dataclasses, dates and the like as
     pydantic dumps them in JSON mode. Anything else is refused, never pickled or repr'd.
@@ -254,6 +266,12 @@ def result_text(value: Any, limit: int) -> str:
         raise NotJSON(f"returned a value that is not JSON: {exc}") from None
     if len(text) > limit:
         raise NotJSON(f"returned {len(text)} characters of JSON; the limit is {limit}")
+    size = len(text) if text.isascii() else len(text.encode("utf-8", "surrogatepass"))
+    if size > max_bytes:
+        raise TooLarge(
+            f"returned {size} bytes of JSON; a host call carries at most {max_bytes} "
+            "(max_host_call_bytes)"
+        )
     return text
 
 

@@ -47,11 +47,13 @@ MAX_DEPTH = 100
 """The deepest nesting of an argument (the host checks values the same)."""
 
 MAX_IN_FLIGHT = 64
-"""Calls of this kernel waiting for the host at once; more wait here for a slot. A guard: the
-calls' messages stay far below ZeroMQ's high-water mark of 1,000 on iopub, past which messages
-are dropped when the host falls behind (as outputs can be, see ``lost_outputs``), and a
-dropped call would wait until the run's timeout. Not seen to drop here without it (10,000
-calls gathered at once all arrived); the bound costs nothing measurable."""
+"""Calls of this kernel waiting for the host at once, unless the host says otherwise at install
+(its ``max_host_calls_in_flight``, which it enforces: a call past it is refused there); more
+wait here for a slot. Also a guard: the calls' messages stay far below ZeroMQ's high-water mark
+of 1,000 on iopub, past which messages are dropped when the host falls behind (as outputs can
+be, see ``lost_outputs``), and a dropped call would wait until the run's timeout. Not seen to
+drop here without it (10,000 calls gathered at once all arrived); the bound costs nothing
+measurable."""
 
 
 class HostCallError(Exception):
@@ -77,7 +79,9 @@ class HostCallRefused(HostCallError, PermissionError):
 
 
 class HostCallLimitExceeded(HostCallRefused):
-    """The run made more host calls than its limit."""
+    """A bound of the host was reached (the message names it): the run's calls
+    (``max_host_calls``), the session's calls in flight (``max_host_calls_in_flight``), or the
+    bytes of a call's arguments or answer (``max_host_call_bytes``)."""
 
 
 class HostCallCancelled(HostCallError):
@@ -207,6 +211,7 @@ class _State:
         self.run: Any = None  # the parent message of the request running now
         self.pending: dict[str, _Waiter] = {}
         self.slots = _Slots(MAX_IN_FLIGHT)
+        self.max_bytes = 0  # the most bytes of a call's arguments (0: unbounded)
         self.modules: dict[str, types.ModuleType] = {}  # installed by this module
         self.temporary: list[tuple[str, bool, dict[str, Any]]] = []  # this run's functions:
         # (module, whether the run created it, what each name held before)
@@ -264,7 +269,12 @@ def install() -> None:
         return finish_metadata(parent, metadata, reply_content)
 
     kernel.finish_metadata = finish
-    _apply(kernel.get_parent().get("metadata", {}).get(METADATA_KEY) or {})
+    spec = kernel.get_parent().get("metadata", {}).get(METADATA_KEY) or {}
+    bounds = spec.get("bounds") or {}
+    if bounds.get("in_flight"):
+        _state.slots = _Slots(int(bounds["in_flight"]))
+    _state.max_bytes = int(bounds.get("bytes") or 0)
+    _apply(spec)
 
 
 def _run_started() -> None:
@@ -392,7 +402,16 @@ def _stub(module: str, spec: dict[str, Any]) -> Any:
             problem = _json_problem(value, key)
             if problem:
                 raise HostCallInvalidArguments(f"{name}(): {problem}")
-        return json.dumps(dict(bound.arguments), ensure_ascii=False, allow_nan=False)
+        text = json.dumps(dict(bound.arguments), ensure_ascii=False, allow_nan=False)
+        limit = _state.max_bytes
+        if limit and len(text) * 4 > limit:
+            size = len(text.encode("utf-8", "surrogatepass"))
+            if size > limit:
+                raise HostCallLimitExceeded(
+                    f"{name}(): the arguments are {size} bytes of JSON; a host call takes at "
+                    f"most {limit} (max_host_call_bytes)"
+                )
+        return text
 
     stub: Any
     if spec.get("async"):

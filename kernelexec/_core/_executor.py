@@ -11,6 +11,7 @@ from pathlib import Path, PurePath, PurePosixPath
 from typing import Any
 
 from kernelexec._branching._family import Brancher
+from kernelexec._codemode._calls import HostCallBounds
 from kernelexec._codemode._exposure import HostFunctions
 from kernelexec._config import ExecutorConfig, ExecutorOptions, make_config
 from kernelexec._core._attach import SessionRegistration
@@ -31,6 +32,7 @@ from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError
 from kernelexec._models import Execution, Isolation, ToolResult
 from kernelexec._notebooks._io import safe_filename
+from kernelexec._observability._logtext import untrusted
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import bootstrap_request
 from kernelexec._public import public
@@ -416,6 +418,7 @@ class AsyncKernelExecutor:
                 checkpoint=cfg.checkpoint,
                 limit=cfg.max_checkpoint_bytes,
                 same_user=self.isolation_of(env).level == "none",
+                secret_names=frozenset(cfg.env_vars),
             )
             if recorder is not None:
                 lease.keeper.replayer = _replayer(recorder)
@@ -432,7 +435,12 @@ class AsyncKernelExecutor:
             output_grace=cfg.output_grace,
             max_output_chars=cfg.max_output_chars,
             max_result_chars=cfg.max_result_chars,
-            max_host_calls=cfg.max_host_calls,
+            host_calls=HostCallBounds(
+                calls_per_run=cfg.max_host_calls,
+                result_chars=cfg.max_result_chars,
+                call_bytes=cfg.max_host_call_bytes,
+                in_flight=cfg.max_host_calls_in_flight,
+            ),
             recorder=recorder,
             isolation=self.isolation_of(env),
             backend=self.backend.name,
@@ -629,7 +637,9 @@ class AsyncKernelExecutor:
         results = await asyncio.gather(*(one(s) for s in sessions), return_exceptions=True)
         for session, result in zip(sessions, results, strict=True):
             if isinstance(result, Exception):
-                log.warning("agent %r: not hibernated at close: %s", session.agent_id, result)
+                log.warning(
+                    "agent %r: not hibernated at close: %s", session.agent_id, untrusted(result)
+                )
 
     async def delete_state(self, agent_id: str, env: Env | None = None) -> bool:
         """Delete the saved state of ``agent_id`` (in ``env``, default: the executor's) from

@@ -11,12 +11,19 @@ import logging
 from collections.abc import Iterable
 from typing import Any
 
-from kernelexec._codemode._calls import HOST_CALL_MIME, HostCalls
+from kernelexec._codemode._calls import (
+    HOST_CALL_MIME,
+    HostCallBounds,
+    HostCalls,
+    HostThreads,
+    InFlight,
+)
 from kernelexec._codemode._exposure import Exposure
 from kernelexec._codemode._functions import HostFunction
 from kernelexec._core._run import run_internal
 from kernelexec._exceptions import ConfigError
 from kernelexec._models import Execution, HostCall
+from kernelexec._observability._logtext import untrusted
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import ExecuteRequest
 from kernelexec.backends._base import KernelConnection
@@ -29,14 +36,13 @@ OneCall = dict[str, dict[str, HostFunction]]
 class SessionCodeMode:
     """One session's exposed host functions and its running run's host calls."""
 
-    def __init__(
-        self, agent_id: str, *, max_calls: int, max_result_chars: int, install_timeout: float
-    ) -> None:
+    def __init__(self, agent_id: str, *, bounds: HostCallBounds, install_timeout: float) -> None:
         self._agent_id = agent_id
-        self._max_calls = max_calls
-        self._max_result = max_result_chars
+        self._bounds = bounds
         self._install_timeout = install_timeout
-        self._exposure = Exposure()
+        self._exposure = Exposure(bounds.kernel_half())
+        self._in_flight = InFlight(bounds.in_flight)
+        self._threads = HostThreads()
         self.current: HostCalls | None = None  # the running run's calls
 
     def add(self, functions: Iterable[Any], module: str, timeout: float | None) -> None:
@@ -57,7 +63,7 @@ class SessionCodeMode:
             why = str((out.collected.error or reply).get("evalue") or "no reply")
             if strict:
                 raise ConfigError(f"the host functions could not be installed in the kernel: {why}")
-            log.warning("code mode could not be installed in the kernel: %s", why)
+            log.warning("code mode could not be installed in the kernel: %s", untrusted(why))
             return
         self._exposure.installed(generation)
 
@@ -83,8 +89,9 @@ class SessionCodeMode:
             conn,
             self._exposure.callable_in_run(once),
             agent_id=self._agent_id,
-            max_calls=self._max_calls,
-            max_result_chars=self._max_result,
+            bounds=self._bounds,
+            in_flight=self._in_flight,
+            threads=self._threads,
             record=record,
             outputs=outputs,
         )
@@ -99,6 +106,10 @@ class SessionCodeMode:
         """The session's run is being interrupted: cancel its host calls in flight."""
         if self.current is not None:
             self.current.interrupted()
+
+    def close(self) -> None:
+        """The session closed: its host-function threads take no more work."""
+        self._threads.close()
 
 
 def is_host_call_output(output: dict[str, Any]) -> bool:

@@ -21,6 +21,7 @@ from kernelexec._core._run import run_internal
 from kernelexec._durable._keeper import SessionState
 from kernelexec._exceptions import ConfigError, KernelStartError, StateError
 from kernelexec._models import Hibernation, Restored
+from kernelexec._observability._logtext import untrusted
 from kernelexec._proctitle import kernel_title
 from kernelexec._protocol._host import ExecuteRequest
 from kernelexec._sandbox._lend import Loan, LoanMode
@@ -269,7 +270,11 @@ class KernelLease:
                     await self.keeper.save(self._run, self.generation)
                     self.keeper.kernel_gone()
                 except StateError as exc:
-                    log.warning("agent %r: hibernating failed, state lost: %s", self.agent_id, exc)
+                    log.warning(
+                        "agent %r: hibernating failed, state lost: %s",
+                        self.agent_id,
+                        untrusted(exc),
+                    )
                     self._lost = (self._lost or []) + list(self._names)
                     await self.keeper.invalidate()
             await self._give_back()
@@ -348,7 +353,7 @@ class KernelLease:
                 await self._conn.lend(loan, self._workdir)
             except KernelStartError as exc:
                 # The fresh kernel works without it; the next lend() of it says why it fails.
-                log.warning("%s: %s; not lent again", self.agent_id, exc)
+                log.warning("%r: %s; not lent again", self.agent_id, untrusted(exc))
                 del self._lent[path]
         self.generation += 1
         self._names = ()

@@ -21,6 +21,7 @@ from kernelexec._core._startup import restart_kernel, shutdown_fully, start_kern
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
 from kernelexec._exceptions import ExecutorClosedError, KernelStartError, PoolExhaustedError
+from kernelexec._observability._logtext import untrusted
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import WARM_TRACEBACKS, ExecuteRequest
 from kernelexec.backends._base import KernelBackend, KernelConnection, KernelLaunch
@@ -238,7 +239,7 @@ class KernelPool:
                     conn = await self._start()
                 except (KernelStartError, ExecutorClosedError, PoolExhaustedError) as exc:
                     # PoolExhaustedError: a remote service (a gateway) has no room now.
-                    log.warning("prewarming a kernel failed: %s", exc)
+                    log.warning("prewarming a kernel failed: %s", untrusted(exc))
                     break
                 try:
                     # Ahead of need there is time for what would slow the first error down.

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from nbformat import NotebookNode
 
 from kernelexec._aio import finish_shielded
+from kernelexec._codemode._calls import HostCallBounds
 from kernelexec._codemode._exposure import DEFAULT_MODULE, HostFunctions, one_call
 from kernelexec._config import valid_timeout
 from kernelexec._core import _results as results
@@ -57,6 +58,7 @@ from kernelexec._models import (
     ToolResult,
     now_iso,
 )
+from kernelexec._observability._logtext import untrusted
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import CodeRun, ToolCall
@@ -112,7 +114,7 @@ class AsyncSession:
         backend: str = "local",
         setup_code: tuple[str, ...] = (),
         branches: SessionBranches | None = None,
-        max_host_calls: int = 1000,
+        host_calls: HostCallBounds | None = None,
     ) -> None:
         self.agent_id = agent_id
         self._branches = branches
@@ -152,8 +154,7 @@ class AsyncSession:
         calls go on (see :class:`kernelexec.AsyncSessionCommands`)."""
         self._codemode = SessionCodeMode(
             agent_id,
-            max_calls=max_host_calls,
-            max_result_chars=max_result_chars,
+            bounds=host_calls or HostCallBounds(result_chars=max_result_chars),
             install_timeout=default_timeout,
         )
 
@@ -513,6 +514,7 @@ class AsyncSession:
         """Refuse further calls and let the observers go (used by the executor)."""
         if not self._state.close():
             return
+        self._codemode.close()
         for observer in self._observers:
             observer.close()
 
@@ -776,7 +778,7 @@ class AsyncSession:
         reply = out.read()
         error = results.kernel_lost(out, reply, timeout)
         if error is not None:
-            log.warning("agent %r: %s", self.agent_id, error.evalue)
+            log.warning("agent %r: %s", self.agent_id, untrusted(error.evalue))
             replaced, problem = await self._replace_kernel()
             if problem is None:
                 return error, None, (lost or []) + replaced

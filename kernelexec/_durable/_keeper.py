@@ -28,6 +28,7 @@ from kernelexec._durable import _kernel_state as ks
 from kernelexec._durable._store import Manifest, StateStore, now_iso
 from kernelexec._exceptions import CheckpointTooLargeError, StateError
 from kernelexec._models import Hibernation, Restored
+from kernelexec._observability._logtext import untrusted
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import ExecuteRequest
 
@@ -72,6 +73,8 @@ class SessionState:
         limit: Most bytes of one checkpoint.
         same_user: The kernel runs as the host's user (isolation ``"none"``): a restore links
             the records where the kernel reads them instead of copying them.
+        secret_names: The executor's ``env_vars`` names: their values are never written to
+            the store, and on a restore the fresh kernel's values win over any saved.
     """
 
     def __init__(
@@ -84,8 +87,10 @@ class SessionState:
         checkpoint: Literal["on_evict", "after_call"],
         limit: int,
         same_user: bool = False,
+        secret_names: frozenset[str] = frozenset(),
     ) -> None:
         self.store = store
+        self.secret_names = secret_names
         self.agent_id = agent_id
         self.env = env
         self.workdir = workdir
@@ -142,7 +147,7 @@ class SessionState:
             try:
                 await self._ask(run, generation, "forget", {})
             except StateError as exc:
-                log.warning("agent %r: durable state not set up: %s", self.agent_id, exc)
+                log.warning("agent %r: durable state not set up: %s", self.agent_id, untrusted(exc))
         return restored, lost
 
     async def _restore(
@@ -153,7 +158,7 @@ class SessionState:
         self._problems = []
         if manifest is None:
             for p in problems:
-                log.warning("agent %r: checkpoint not used: %s", self.agent_id, p)
+                log.warning("agent %r: checkpoint not used: %s", self.agent_id, untrusted(p))
             return Restored(seconds=time.monotonic() - start, problems=problems)
         not_restored = {n: f"not saved: {why}" for n, why in manifest.unsaved.items()}
         try:
@@ -171,6 +176,7 @@ class SessionState:
                     "records": manifest.records,
                     "gen": manifest.gen,
                     "environ": manifest.environ,
+                    "keep": sorted(self.secret_names),
                 },
             )
             names = sorted(answer.get("restored", []))
@@ -187,7 +193,7 @@ class SessionState:
             for name in replayed:
                 not_restored.pop(name, None)
         for p in problems:
-            log.warning("agent %r: %s", self.agent_id, p)
+            log.warning("agent %r: %s", self.agent_id, untrusted(p))
         return Restored(
             names=names,
             bytes=manifest.size,
@@ -293,7 +299,7 @@ class SessionState:
                 "agent %r: after-call checkpoint failed (checkpoints stop until the session's "
                 "next kernel; its saved state is deleted): %s",
                 self.agent_id,
-                exc,
+                untrusted(exc),
             )
             await asyncio.to_thread(self._invalidate)
             self._hook_broken = True
@@ -322,7 +328,7 @@ class SessionState:
             saved_at=now_iso(),
             records=_checked_records(answer.get("records", [])),
             unsaved=unsaved,
-            environ=dict(answer.get("environ", {})),
+            environ=self._environ(answer.get("environ")),
             files=files,
         )
         if manifest.size > self.limit:
@@ -336,6 +342,13 @@ class SessionState:
             raise StateError(f"saving the checkpoint failed: {exc}") from exc
         self._manifest, self._files = manifest, (sig, files)
         return manifest, written + (int(files["size"]) if files else 0)
+
+    def _environ(self, environ: Any) -> dict[str, str]:
+        """The kernel's environment as it may be stored: without the executor's ``env_vars``
+        (their values are secrets the next executor gives again, perhaps rotated)."""
+        if not isinstance(environ, dict):
+            return {}
+        return {str(k): str(v) for k, v in environ.items() if k not in self.secret_names}
 
     async def _load_quietly(self) -> None:
         if not self._loaded:

@@ -217,7 +217,7 @@ def _save(staging: str, base_gen: int | None, new_gen: int, limit: int, full: bo
         data, buffers, group_names = _group_bytes(group, pickler, unsaved)
     group_crc = _crc(data, buffers)
     group_same = old_group is not None and old_group[0] == (group_crc, tuple(group_names))
-    env = dict(os.environ)
+    env = _environ()
     shape = (tuple(names), tuple((n, m.__name__) for n, m in modules.items()), tuple(unsaved))
     same = reuse and not pending and (group_same or not group_names) and env == _last["env"]
     same = same and (atoms_same or not atoms)
@@ -362,12 +362,28 @@ def restore(staging: str, cwd: str, records: list[dict[str, Any]], gen: int) -> 
     return _Answer({"restored": sorted(restored), "lost": lost})
 
 
-def set_environ(environ: dict[str, str]) -> None:
-    """Make ``os.environ`` what was saved (keys the saved environment lacks are removed)."""
+def _environ() -> dict[str, str]:
+    """``os.environ`` without a run's own variables (``env_vars=`` of one call, set only
+    while it runs, and undone only after its report, where an after-call checkpoint is made)."""
+    env = dict(os.environ)
+    helper = sys.modules.get("__kernelexec__")
+    overlay = getattr(helper, "_state", {}).get("env_saved") or {}
+    for key, old in overlay.items():
+        if old is None:
+            env.pop(key, None)
+        else:
+            env[key] = old
+    return env
+
+
+def set_environ(environ: dict[str, str], keep: Any = ()) -> None:
+    """Make ``os.environ`` what was saved (keys the saved environment lacks are removed),
+    except the names in ``keep``: the executor's ``env_vars``, whose fresh values win."""
+    keep = set(keep)
     for key in list(os.environ):
-        if key not in environ:
+        if key not in environ and key not in keep:
             del os.environ[key]
-    os.environ.update(environ)
+    os.environ.update({k: v for k, v in environ.items() if k not in keep})
 
 
 def _load(staging: str, rec: dict[str, Any]) -> dict[str, Any]:
@@ -439,7 +455,7 @@ def handle() -> _Answer:
             return save(args["staging"], args["base"], args["gen"], args["limit"], args["full"])
         if op == "restore":
             answer = restore(args["staging"], args["cwd"], args["records"], args["gen"])
-            set_environ(args["environ"])
+            set_environ(args["environ"], args.get("keep", ()))
             return answer
         if op == "forget":
             forget()

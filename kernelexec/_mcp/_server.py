@@ -37,6 +37,7 @@ from kernelexec._mcp._results import (
 from kernelexec._mcp._sessions import ClientConnection, SessionEntry, SessionRegistry
 from kernelexec._mcp._upstream import Upstream, connect_upstreams
 from kernelexec._models import Execution
+from kernelexec._observability._logtext import untrusted
 from kernelexec._tools._tool import Tool
 
 if TYPE_CHECKING:
@@ -254,7 +255,9 @@ def build_server(options: McpOptions, tools: list[Tool]) -> Server[ServerState]:
         except ConfigError as exc:
             return error_result(str(exc))
         except KernelExecError as exc:
-            log.warning("%s failed: %s: %s", params.name, type(exc).__name__, exc)
+            log.warning(
+                "%s failed: %s: %s", untrusted(params.name), type(exc).__name__, untrusted(exc)
+            )
             return error_result(f"{type(exc).__name__}: {exc}", kind="unavailable")
 
     return Server(
