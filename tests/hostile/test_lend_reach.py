@@ -11,7 +11,6 @@ directory holding a listening unix socket let the kernel connect to the host's l
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import logging
 import os
