@@ -11,9 +11,10 @@ state named.
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import io
-import os
+import shutil
 import tempfile
 import uuid
 from pathlib import Path
@@ -207,6 +208,4 @@ async def test_a_forged_snapshot_cannot_name_a_host_path(executor: kx.KernelExec
         assert again.state.snapshot.base_path == root
     finally:
         await client.aclose()
-        for entry in root.iterdir():
-            entry.unlink()
-        os.rmdir(root)
+        await asyncio.to_thread(shutil.rmtree, root)

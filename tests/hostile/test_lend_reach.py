@@ -11,6 +11,7 @@ directory holding a listening unix socket let the kernel connect to the host's l
 
 from __future__ import annotations
 
+import asyncio
 import errno
 import logging
 import os
@@ -108,7 +109,8 @@ async def test_no_host_socket_fifo_or_device_is_reached_through_a_loan(
     # The kernel holds the FIFO open for reading: a host writer would find it.
     code = PROBE + (
         f"fifo = attempt(lambda: os.open({str(where / 'pipe')!r}, os.O_RDONLY | os.O_NONBLOCK))\n"
-        f"(open({str(where / 'mod.py')!r}).read(), attempt(lambda: connect({str(where / 'svc.sock')!r})),"
+        f"(open({str(where / 'mod.py')!r}).read(),"
+        f" attempt(lambda: connect({str(where / 'svc.sock')!r})),"
         f" isinstance(fifo, int), attempt(lambda: open({str(where / 'null')!r}, 'rb').read()))"
     )
     text, connected, fifo_open, device = eval(await run(session, code))
@@ -142,7 +144,7 @@ async def test_no_host_socket_fifo_or_device_is_reached_through_a_loan(
 async def test_the_sandboxs_own_trees_are_never_lent(
     executor: kx.AsyncKernelExecutor, path: str, why: str
 ) -> None:
-    if not os.path.isdir(path):
+    if not await asyncio.to_thread(os.path.isdir, path):
         pytest.skip(f"{path} is not a directory here")
     session = await executor.session("system")
     for mode in ("read", "copy", "own"):
@@ -202,7 +204,7 @@ def host_view() -> tuple[list[str], str]:
                     lines.append(fh.read().replace(b"\0", b" ").decode(errors="replace"))
             except OSError:
                 pass
-    where = [p for p in os.environ["PYTHONPATH"].split(":") if "kxlend-svc-" in p][0]
+    where = next(p for p in os.environ["PYTHONPATH"].split(":") if "kxlend-svc-" in p)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         s.connect(where + "/svc.sock")
@@ -223,7 +225,7 @@ async def test_a_letta_pythonpath_naming_proc_gives_a_bwrap_kernel_nothing_of_th
     from tests.letta_models import LocalSandboxConfig, SandboxConfig, User, create_tool_from_func
 
     where = Path(tempfile.mkdtemp(prefix="kxletta-", dir="/run"))
-    where.chmod(0o755)
+    await asyncio.to_thread(where.chmod, 0o755)
     try:
         config = SandboxConfig(
             config=LocalSandboxConfig(sandbox_dir=str(where), use_venv=False).model_dump(

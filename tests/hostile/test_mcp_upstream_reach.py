@@ -14,8 +14,8 @@ Seen before the fix: the only way to give an upstream a token was its command li
 
 from __future__ import annotations
 
+import asyncio
 import json
-import os
 import sys
 import textwrap
 import uuid
@@ -137,7 +137,7 @@ async def test_an_upstream_env_secret_reaches_the_upstream_and_no_kernel(
     script = tmp_path / f"kv-{uuid.uuid4().hex[:8]}.py"
     script.write_text(UPSTREAM)
     script.chmod(0o644)
-    tmp_path.chmod(0o755)
+    await asyncio.to_thread(tmp_path.chmod, 0o755)
     token = f"kxtoken-{uuid.uuid4().hex}"
     async with server(server_tmp, script, token, isolation, tmp_path / "log") as client:
         got = await run_python(
