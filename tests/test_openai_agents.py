@@ -126,7 +126,8 @@ async def test_timeouts_bytes_and_snapshots(executor: kx.KernelExecutor) -> None
             failed = await session.exec("echo oops >&2; exit 5")
             assert (failed.exit_code, failed.stderr) == (5, b"oops\n")
             await session.write(Path("d/keep.txt"), io.BytesIO(b"kept"))
-            archive = (await session.persist_workspace()).read()
+            with await session.persist_workspace() as packed:  # a temporary file: closed
+                archive = packed.read()
             await session.exec("rm -rf d")
             await session.hydrate_workspace(io.BytesIO(archive))
             assert (await session.read(Path("d/keep.txt"))).read() == b"kept"

@@ -215,6 +215,14 @@ def _parser() -> argparse.ArgumentParser:
         help="another MCP server (stdio command) whose tools code calls as tools.NAME.<tool>",
     )
     mcp.add_argument(
+        "--upstream-env",
+        metavar="VAR",
+        action="append",
+        default=[],
+        help="hand the variable VAR of this server's environment to every upstream "
+        "(repeatable; for secrets, which a command line would show to kernels)",
+    )
+    mcp.add_argument(
         "--idle-timeout",
         type=float,
         default=1800.0,
@@ -459,6 +467,7 @@ def _cmd_mcp(ns: argparse.Namespace) -> int:
         requirements=tuple(ns.requirement),
         timeout=ns.timeout,
         upstream=tuple(ns.upstream),
+        upstream_env=tuple(ns.upstream_env),
         idle_timeout=ns.idle_timeout,
     )
     serve(options)

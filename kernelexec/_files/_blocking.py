@@ -14,7 +14,12 @@ from collections.abc import Callable, Coroutine, Iterator, Sequence
 from types import TracebackType
 from typing import Any, TypeVar
 
-from kernelexec._files._commands import AsyncSessionCommands, BackgroundCommand, CommandResult
+from kernelexec._files._commands import (
+    MAX_OUTPUT,
+    AsyncSessionCommands,
+    BackgroundCommand,
+    CommandResult,
+)
 from kernelexec._files._session import MAX_READ_BYTES, AsyncSessionFiles, FileReader, FileWriter
 from kernelexec._files._wire import FileInfo
 from kernelexec._public import public
@@ -156,10 +161,15 @@ class SessionCommands:
         self._call = call
 
     def start(
-        self, command: str | Sequence[str], *, env: dict[str, str] | None = None, cwd: str = "."
+        self,
+        command: str | Sequence[str],
+        *,
+        env: dict[str, str] | None = None,
+        cwd: str = ".",
+        max_output: int = MAX_OUTPUT,
     ) -> BlockingBackgroundCommand:
         """Start ``command`` and return at once; see :meth:`AsyncSessionCommands.start`."""
-        proc = self._call(self._inner.start, command, env=env, cwd=cwd)
+        proc = self._call(self._inner.start, command, env=env, cwd=cwd, max_output=max_output)
         return BlockingBackgroundCommand(proc, self._call)
 
     def run(
@@ -169,10 +179,11 @@ class SessionCommands:
         env: dict[str, str] | None = None,
         cwd: str = ".",
         timeout: float | None = None,
+        max_output: int = MAX_OUTPUT,
     ) -> CommandResult:
         """Run ``command`` to its end; see :meth:`AsyncSessionCommands.run`."""
         result: CommandResult = self._call(
-            self._inner.run, command, env=env, cwd=cwd, timeout=timeout
+            self._inner.run, command, env=env, cwd=cwd, timeout=timeout, max_output=max_output
         )
         return result
 

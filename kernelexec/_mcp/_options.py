@@ -20,6 +20,7 @@ _FLAGS = {
     "record_dir": "record",
     "requirements": "requirement",
     "idle_timeout": "idle-timeout",
+    "upstream_env": "upstream-env",
 }  # field -> flag, where they differ
 
 
@@ -41,6 +42,8 @@ class McpOptions(BaseModel):
         timeout: Default seconds a run may take before the kernel is interrupted.
         upstream: Other MCP servers to connect to, as ``NAME=COMMAND`` (stdio); kernel code
             calls their tools as ``tools.<NAME>.<tool>``.
+        upstream_env: Names of variables of the server's environment handed to every
+            upstream (secrets: a command line is readable by kernels at ``"process"``).
         idle_timeout: HTTP: seconds after which an MCP session with no request is ended and
             its kernels shut down (a client that leaves without ending its session, as
             stateless clients do, holds kernels that long).
@@ -58,6 +61,7 @@ class McpOptions(BaseModel):
     requirements: tuple[str, ...] = ()
     timeout: float | None = Field(None, gt=0)
     upstream: tuple[str, ...] = ()
+    upstream_env: tuple[str, ...] = ()
     idle_timeout: float = Field(DEFAULT_IDLE_TIMEOUT, gt=0, allow_inf_nan=False)
 
     @classmethod

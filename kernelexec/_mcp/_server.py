@@ -35,7 +35,7 @@ from kernelexec._mcp._results import (
     tool_call_result,
 )
 from kernelexec._mcp._sessions import ClientConnection, SessionEntry, SessionRegistry
-from kernelexec._mcp._upstream import Upstream, connect_upstreams
+from kernelexec._mcp._upstream import Upstream, connect_upstreams, upstream_env
 from kernelexec._models import Execution
 from kernelexec._observability._logtext import untrusted
 from kernelexec._tools._tool import Tool
@@ -198,10 +198,11 @@ def build_server(options: McpOptions, tools: list[Tool]) -> Server[ServerState]:
     executor_config = options.executor_config()
     make_config(**executor_config)  # a bad value is refused now, not when the first client comes
     upstreams = tuple(Upstream.parse(text) for text in options.upstream)
+    env = upstream_env(options.upstream_env)  # a missing variable is refused now
 
     @asynccontextmanager
     async def lifespan(_: Server[ServerState]) -> AsyncIterator[ServerState]:
-        async with connect_upstreams(upstreams, timeout=None) as exposed:
+        async with connect_upstreams(upstreams, timeout=None, env=env) as exposed:
             state = ServerState(by_name, executor_config, exposed)
             try:
                 if isinstance(executor_config.get("env"), VenvEnv):

@@ -5,6 +5,14 @@ tools, and exposes each to every session's kernel code as ``tools.<NAME>.<tool>`
 the call runs here, on the host, and reaches the upstream over this one client connection).
 The "code execution with MCP" pattern: the model writes code that calls many tools and keeps
 the intermediate data in the kernel.
+
+An upstream gets only ``PATH``, ``HOME``, ``LANG``, ``TMPDIR`` and the cache directory of the
+server's environment, plus the variables the operator names (``--upstream-env NAME``): a token
+passed so never appears in a command line, which kernels at ``"process"`` can read
+(``/proc/<pid>/cmdline`` is readable by every user), while another user's environment is not.
+
+Every MCP session (and every kernel) reaches the same upstream process, over this one
+connection: whatever state an upstream keeps is shared by all sessions of the server.
 """
 
 from __future__ import annotations
@@ -29,6 +37,27 @@ log = logging.getLogger("kernelexec.mcp")
 
 _NAME = re.compile(r"[A-Za-z][A-Za-z0-9_]{0,63}")
 _ENV = ("PATH", "HOME", "LANG", "TMPDIR", "KERNELEXEC_CACHE_DIR")
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def upstream_env(names: tuple[str, ...]) -> dict[str, str]:
+    """What every upstream's environment holds: the base variables, and ``names`` from the
+    server's own environment.
+
+    Raises:
+        ConfigError: a name is not a variable name, or it is not set here.
+    """
+    env = {k: os.environ[k] for k in _ENV if k in os.environ}
+    for name in names:
+        if not _ENV_NAME.fullmatch(name):
+            raise ConfigError(f"--upstream-env {name!r}: not an environment variable name")
+        if name not in os.environ:
+            raise ConfigError(
+                f"--upstream-env {name}: not set in the server's environment (set it there; "
+                "never on an --upstream command line, which kernels can read)"
+            )
+        env[name] = os.environ[name]
+    return env
 
 
 class UpstreamToolError(Exception):
@@ -69,15 +98,16 @@ class Upstream:
 
 @asynccontextmanager
 async def connect_upstreams(
-    upstreams: tuple[Upstream, ...], *, timeout: float | None
+    upstreams: tuple[Upstream, ...], *, timeout: float | None, env: dict[str, str] | None = None
 ) -> AsyncIterator[dict[str, list[HostFunction]]]:
-    """Connect to every upstream; yield module name -> its tools as host functions. The
-    connections close (and the upstream processes end) when the context exits."""
+    """Connect to every upstream, each started with ``env`` (default: :func:`upstream_env`
+    of no names); yield module name -> its tools as host functions. The connections close
+    (and the upstream processes end) when the context exits."""
+    env = upstream_env(()) if env is None else env
     async with AsyncExitStack() as stack:
         modules: dict[str, list[HostFunction]] = {}
         for upstream in upstreams:
             command, *args = upstream.command
-            env = {k: os.environ[k] for k in _ENV if k in os.environ}
             params = StdioServerParameters(command=command, args=args, env=env)
             read, write = await stack.enter_async_context(stdio_client(params))
             client = await stack.enter_async_context(ClientSession(read, write))

@@ -24,12 +24,28 @@ Nothing is mounted on the host, and the mounts end with the kernel's namespace.
 A directory that holds, or lies inside, kernelexec's own directories (the temp directory with
 the kernels' directories, the sessions' working directories, saved state and recordings) is
 refused: lent, it would hand other tenants' files to this kernel.
+
+Only an ordinary directory is lent (issue 41): never one on a pseudo-filesystem (``proc``,
+``sysfs``, ``devpts``, ``cgroup``, ... told by ``statfs``), never ``/proc``, ``/sys`` or ``/dev``
+or anything under them (the sandbox gives the kernel its own; ``devtmpfs`` reads as an ordinary
+``tmpfs``), and never a directory the sandbox itself provides or that holds the host's system
+sockets (``/``, ``/tmp``, ``/var/tmp``, ``/run``, ``/var/run``): lent over the kernel's own,
+each would hand it the host's processes, devices or services. A directory below ``/run`` or
+``/tmp`` that is an ordinary folder may still be lent.
+
+Nothing lent reaches a host socket, FIFO or device: every loan is an overlay (``"read"`` too, a
+read-only one whose lower layers are the directory and an empty one), and a socket or FIFO seen
+through an overlay is the overlay's own inode, which no host listener or writer shares, while
+``nodev`` refuses devices. That holds for one made after the check too (a directory writable by
+others), so the tree is not walked.
 """
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
+import struct
 import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -39,6 +55,39 @@ from kernelexec._exceptions import ConfigError
 from kernelexec._sandbox import _nshelper
 from kernelexec._sandbox._users import LAYERS, blocked, within
 from kernelexec._tempdirs import PREFIXES
+
+_SYSTEM = ("/proc", "/sys", "/dev")
+"""Trees the sandbox provides itself: nothing in them is lent."""
+_PROVIDED = ("/", "/tmp", "/var/tmp", "/run", "/var/run")
+"""Directories the sandbox provides itself, or that hold the host's system sockets: not lent
+themselves (an ordinary folder below one may be)."""
+_PSEUDO = {
+    0x9FA0: "proc",
+    0x62656572: "sysfs",
+    0x1CD1: "devpts",
+    0x27E0EB: "cgroup",
+    0x63677270: "cgroup2",
+    0x64626720: "debugfs",
+    0x74726163: "tracefs",
+    0x73636673: "securityfs",
+    0xCAFE4A11: "bpf",
+    0x19800202: "mqueue",
+    0x62656570: "configfs",
+    0x6165676C: "pstore",
+    0xDE5E81E4: "efivarfs",
+    0x65735543: "fusectl",
+    0x42494E4D: "binfmt_misc",
+    0x0187: "autofs",
+    0x6E736673: "nsfs",
+    0x958458F6: "hugetlbfs",
+    0xF97CFF8C: "selinuxfs",
+    0x43415D53: "smackfs",
+    0x67596969: "rpc_pipefs",
+    0x50495045: "pipefs",
+    0x534F434B: "sockfs",
+}
+"""``statfs`` types of the pseudo-filesystems (the kernel's numbers, ``linux/magic.h``)."""
+_libc = ctypes.CDLL(None, use_errno=True)
 
 LoanMode = Literal["own", "copy", "read"]
 """How a directory is lent: ``"own"``, copy on write with the host user's files appearing as
@@ -86,6 +135,7 @@ def check(
         st = None
     if st is None or not os.path.isdir(real):
         raise ConfigError(f"cannot lend {path} to a kernel: it is not a directory")
+    _ordinary(path, real)
     temp = os.path.realpath(tempfile.gettempdir())
     if within(temp, real):
         raise ConfigError(
@@ -112,6 +162,39 @@ def check(
                 "for kernels)"
             )
     return Loan(real, mode, st.st_dev, st.st_ino)
+
+
+def _ordinary(path: str, real: str) -> None:
+    """Refuse ``real`` unless it is an ordinary directory the sandbox does not provide itself.
+
+    Raises:
+        ConfigError: naming what it is.
+    """
+    for tree in _SYSTEM:
+        if within(real, tree):
+            raise ConfigError(
+                f"cannot lend {path} to a kernel: it lies in {tree}, which the sandbox gives "
+                "each kernel its own of (lent, it would show the host's)"
+            )
+    if real in _PROVIDED:
+        raise ConfigError(
+            f"cannot lend {path} to a kernel: the sandbox provides {real} itself, and the "
+            "host's holds other programs' files and sockets; lend a folder in it"
+        )
+    kind = _PSEUDO.get(_fs_type(real))
+    if kind is not None:
+        raise ConfigError(
+            f"cannot lend {path} to a kernel: it is on a {kind} filesystem, not an ordinary "
+            "directory"
+        )
+
+
+def _fs_type(path: str) -> int:
+    """The ``statfs`` type of the filesystem holding ``path`` (0 when it cannot be told)."""
+    buf = ctypes.create_string_buffer(256)
+    if _libc.statfs(path.encode(), buf) != 0:
+        return 0
+    return int(struct.unpack_from("l", buf.raw)[0]) & 0xFFFFFFFF
 
 
 def lend(pid: int, loan: Loan, uid: int, workdir: str) -> None:

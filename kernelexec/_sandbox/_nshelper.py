@@ -13,7 +13,8 @@ Two requests, one per line as JSON, answered ``ok`` or ``error <why>``:
 - ``show``: the host's mount at ``path`` (a capped working directory, :mod:`._disk`), at the
   same path in the kernel's namespace;
 - ``lend``: the host directory ``path`` (:mod:`._lend`; refused when it is no longer the one
-  the host checked, ``dev`` and ``ino``), read-only and as it is, or, with ``workdir`` and
+  the host checked, ``dev`` and ``ino``), read-only and as it is (a read-only overlay over it
+  and an empty layer, so that no host socket or FIFO in it is reached), or, with ``workdir`` and
   ``name``, as an overlay whose lower layer is ``path`` read-only (idmapped with ``idmap``, so
   that what the host's user owns appears as the kernel's user's), and whose changes go to
   ``workdir/.kx-lent/name/upper`` (copy on write: the host's directory never changes). Those
@@ -309,6 +310,36 @@ def layers(workdir, folder, name, uid, mode):
             os.close(fd)
 
 
+def overlay(path, layers, flags):
+    # A detached overlay of layers (key, kind, descriptor), mounted nosuid, nodev and flags.
+    fs = call("fsopen overlay", FSOPEN, b"overlay", 1)
+    try:
+        for key, kind, aux in (*layers, (None, CREATE, 0)):
+            if libc.syscall(FSCONFIG, fs, kind, key, None, aux) != 0:
+                err = ctypes.get_errno()
+                said = fs_error(fs) or os.strerror(err)
+                raise OSError(err, "overlay over " + path + ": " + said)
+        return call("fsmount", FSMOUNT, fs, 1, NOSUID | NODEV | flags)
+    finally:
+        os.close(fs)
+
+
+def empty_layer():
+    # An empty read-only tmpfs, detached: the second lower layer of a read-only overlay
+    # (overlayfs wants two lower layers where there is no upper one).
+    fs = call("fsopen tmpfs", FSOPEN, b"tmpfs", 1)
+    try:
+        for key, value in ((b"source", b"kernelexec"), (b"mode", b"0755"), (b"size", b"4k"),
+                           (b"nr_inodes", b"16")):
+            if libc.syscall(FSCONFIG, fs, SET_STRING, key, value, 0) != 0:
+                fail("fsconfig tmpfs " + key.decode())
+        if libc.syscall(FSCONFIG, fs, CREATE, None, None, 0) != 0:
+            fail("making a tmpfs")
+        return call("fsmount", FSMOUNT, fs, 1, RDONLY | NOSUID | NODEV | NOEXEC)
+    finally:
+        os.close(fs)
+
+
 def lend(req):
     path, uid = req["path"], req["uid"]
     # The last component not followed, and the same directory the host checked.
@@ -319,7 +350,15 @@ def lend(req):
         if (st.st_dev, st.st_ino) != (req["dev"], req["ino"]):
             raise OSError(errno.ESTALE, path + " changed since it was checked")
         if "workdir" not in req:
+            # An overlay even read-only: a socket or FIFO seen through it is the overlay's
+            # own inode, so no host listener or writer is reached (a bind would reach them).
             set_attrs(tree, RDONLY | NOSUID | NODEV)
+            empty = empty_layer()
+            try:
+                mounted = overlay(path, ((b"lowerdir+", SET_FD, tree),
+                                         (b"lowerdir+", SET_FD, empty)), RDONLY)
+            finally:
+                os.close(empty)
         else:
             if req["idmap"]:
                 ns = userns(uid, uid)
@@ -331,21 +370,12 @@ def lend(req):
                 set_attrs(tree, RDONLY | NOSUID | NODEV)
             upper, work = layers(req["workdir"], req["layers"], req["name"], uid,
                                  st.st_mode & 0o777)
-            fs = call("fsopen overlay", FSOPEN, b"overlay", 1)
             try:
-                for key, kind, aux in (
-                    (b"lowerdir+", SET_FD, tree),
-                    (b"upperdir", SET_FD, upper),
-                    (b"workdir", SET_FD, work),
-                    (None, CREATE, 0),
-                ):
-                    if libc.syscall(FSCONFIG, fs, kind, key, None, aux) != 0:
-                        err = ctypes.get_errno()
-                        said = fs_error(fs) or os.strerror(err)
-                        raise OSError(err, "overlay over " + path + ": " + said)
-                mounted = call("fsmount", FSMOUNT, fs, 1, NOSUID | NODEV)
+                mounted = overlay(path, ((b"lowerdir+", SET_FD, tree),
+                                         (b"upperdir", SET_FD, upper),
+                                         (b"workdir", SET_FD, work)), 0)
             finally:
-                for fd in (fs, upper, work):
+                for fd in (upper, work):
                     os.close(fd)
 
         def attach():

@@ -137,8 +137,10 @@ class KernelSandbox(BaseSandbox):
         if result.timed_out:
             note = f"Error: the command ran past its timeout of {limit} s and was killed."
             output = f"{output}\n{note}" if output else note
-            return ExecuteResponse(output=output, exit_code=124, truncated=False)
-        return ExecuteResponse(output=output, exit_code=result.exit_code, truncated=False)
+            return ExecuteResponse(output=output, exit_code=124, truncated=result.truncated)
+        return ExecuteResponse(
+            output=output, exit_code=result.exit_code, truncated=result.truncated
+        )
 
     def _inside(self, path: str) -> str | None:
         """``path`` relative to the working directory, or None when it is outside."""

@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import contextlib
 import functools
 import json
+import logging
 import os
 import re
 import shutil
@@ -53,6 +53,8 @@ from kernelexec.compat._letta_config import (
 )
 from kernelexec.compat._letta_wrapper import LettaTool, read_tool
 from kernelexec.compat._runner import ExecutorThread
+
+log = logging.getLogger("kernelexec")
 
 __all__ = [
     "TOOL_SANDBOX_TIMEOUT",
@@ -372,10 +374,14 @@ async def _lend(
             ) from None
     for entry in pythonpath.split(os.pathsep):
         if entry and os.path.isabs(entry):
-            # One it may not lend (not a directory, the executor's own, one out of other
-            # users' reach) stays as the kernel sees it, as a missing entry would.
-            with contextlib.suppress(ConfigError):
+            # One it may not lend (not a directory, the executor's own, the sandbox's own
+            # /proc and the like, one out of other users' reach) stays as the kernel sees it,
+            # as a missing entry would: a PYTHONPATH names many directories, most of them
+            # there for the host, and a tool that needs one fails on its import, by name.
+            try:
                 await lease.lend(entry, mode="read")
+            except ConfigError as exc:
+                log.warning("agent %s: PYTHONPATH entry %s not lent: %s", agent, entry, exc)
 
 
 def _made_if_own(sandbox_dir: str) -> bool:

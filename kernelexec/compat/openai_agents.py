@@ -14,12 +14,16 @@ Needs the ``openai-agents`` extra: ``pip install 'kernelexec[openai-agents]'``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import io
+import os
 import signal
+import tempfile
 import threading
 import uuid
+from collections.abc import Iterable
 from pathlib import Path, PurePosixPath
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 try:
     from agents import function_tool
@@ -37,7 +41,12 @@ try:
     from agents.sandbox.session.sandbox_session import SandboxSession
     from agents.sandbox.session.sandbox_session_state import SandboxSessionState
     from agents.sandbox.session.workspace_payloads import coerce_write_payload
-    from agents.sandbox.snapshot import SnapshotBase, SnapshotSpec, resolve_snapshot
+    from agents.sandbox.snapshot import (
+        LocalSnapshot,
+        SnapshotBase,
+        SnapshotSpec,
+        resolve_snapshot,
+    )
     from agents.sandbox.types import ExecResult, User
     from agents.tool import Tool
 except ImportError as exc:  # pragma: no cover - depends on the environment
@@ -49,8 +58,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from kernelexec._config import make_config
 from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._core._session import AsyncSession
-from kernelexec._exceptions import KernelExecError, SessionFileError
-from kernelexec._files._commands import BackgroundCommand
+from kernelexec._exceptions import ConfigError, KernelExecError, SessionFileError
+from kernelexec._files._commands import BackgroundCommand, cut_marker
+from kernelexec._sandbox._users import within
 from kernelexec._sync import KernelExecutor
 from kernelexec.compat._bridge import AgentKernel, describe_execution
 
@@ -64,6 +74,17 @@ __all__ = [
 
 _STAGE = ".kernelexec-transfer"
 """Start of the name of a staged archive in the working directory (removed once unpacked)."""
+_PREFIX = "openai-agents"
+"""Start of the agent ids the client makes."""
+MAX_ARCHIVE = 1 << 30
+"""Bytes a workspace archive may have by default (it is a host temporary file meanwhile)."""
+_CHUNK = 1 << 20
+
+
+class _TooBig(Exception):
+    def __init__(self, limit: int) -> None:
+        super().__init__(limit)
+        self.limit = limit
 
 
 class KernelSandboxClientOptions(BaseSandboxClientOptions):
@@ -71,7 +92,8 @@ class KernelSandboxClientOptions(BaseSandboxClientOptions):
 
     Attributes:
         agent_id: The kernelexec agent id of the session (default: a fresh
-            ``openai-agents-<hex>``). Giving an open session's id shares its kernel.
+            ``openai-agents-<hex>``). Giving an open session's id shares its kernel (the
+            caller's choice; a resumed state may name only what the client opened).
     """
 
     type: Literal["kernelexec"] = "kernelexec"
@@ -90,9 +112,16 @@ class KernelSandboxSession(BaseSandboxSession):
 
     state: KernelSandboxSessionState
 
-    def __init__(self, *, state: KernelSandboxSessionState, kernel: AgentKernel) -> None:
+    def __init__(
+        self,
+        *,
+        state: KernelSandboxSessionState,
+        kernel: AgentKernel,
+        max_archive_bytes: int = MAX_ARCHIVE,
+    ) -> None:
         self.state = state
         self.kernel = kernel
+        self.max_archive_bytes = max_archive_bytes
 
     @property
     def agent_id(self) -> str:
@@ -153,28 +182,45 @@ class KernelSandboxSession(BaseSandboxSession):
             return False
 
     async def persist_workspace(self) -> io.IOBase:
-        """The working directory as a tar archive with relative members (made in the kernel)."""
-        argv = ["tar", "-C", self.state.manifest.root, f"--exclude=./{_STAGE}-*", "-cf", "-", "."]
+        """The working directory as a tar archive with relative members: made in the kernel
+        (sparse files kept sparse) into a staged file there, then streamed to a host temporary
+        file (on disk, never whole in memory) of at most ``max_archive_bytes``.
+
+        Raises:
+            WorkspaceArchiveReadError: tar failed, or the archive is larger than the bound.
+        """
+        root = self.state.manifest.root
+        stage = f"{_STAGE}-{uuid.uuid4().hex}.tar"
+        argv = ["tar", "-C", root, "--sparse", f"--exclude=./{_STAGE}-*", "-cf", stage, "."]
         try:
-            out, err, code, _ = await self.kernel.acall(lambda s: _run_bytes(s, argv, None))
+            _, err, code, _ = await self.kernel.acall(lambda s: _run_bytes(s, argv, None))
+            if code != 0:
+                raise WorkspaceArchiveReadError(
+                    path=Path(root),
+                    context={
+                        "reason": "tar_failed",
+                        "stderr": err.decode("utf-8", "replace")[-500:],
+                    },
+                )
+            return await self.kernel.acall(lambda s: _fetch(s, stage, self.max_archive_bytes))
         except KernelExecError as exc:
-            raise WorkspaceArchiveReadError(path=Path(self.state.manifest.root), cause=exc) from exc
-        if code != 0:
+            raise WorkspaceArchiveReadError(path=Path(root), cause=exc) from exc
+        except _TooBig as exc:
             raise WorkspaceArchiveReadError(
-                path=Path(self.state.manifest.root),
-                context={"reason": "tar_failed", "stderr": err.decode("utf-8", "replace")[-500:]},
-            )
-        return io.BytesIO(out)
+                path=Path(root), context={"reason": "archive_too_large", "limit": exc.limit}
+            ) from None
+        finally:
+            with contextlib.suppress(KernelExecError, FileNotFoundError):
+                await self.kernel.acall(lambda s: s.files.remove(stage))
 
     async def hydrate_workspace(self, data: io.IOBase) -> None:
-        """Unpack a tar archive (from :meth:`persist_workspace`) into the working directory."""
-        content = data.read()
-        blob = content.encode() if isinstance(content, str) else bytes(content)
+        """Unpack a tar archive (from :meth:`persist_workspace`) into the working directory;
+        it is streamed into the kernel in chunks."""
         stage = f"{_STAGE}-{uuid.uuid4().hex}.tar"
         root = self.state.manifest.root
         argv = ["sh", "-c", 'tar -C "$1" -xf "$2"; s=$?; rm -f "$2"; exit $s', "sh", root, stage]
         try:
-            await self.kernel.acall(lambda s: s.files.write(stage, blob))
+            await self.kernel.acall(lambda s: _send(s, stage, data))
             _, err, code, _ = await self.kernel.acall(lambda s: _run_bytes(s, argv, None))
         except (SessionFileError, KernelExecError) as exc:
             raise WorkspaceArchiveWriteError(path=Path(root), cause=exc) from exc
@@ -188,10 +234,21 @@ class KernelSandboxSession(BaseSandboxSession):
 class KernelSandboxClient(BaseSandboxClient[KernelSandboxClientOptions | None]):
     """A Sandbox Agents client whose sessions are kernelexec sessions.
 
+    A session state is what the SDK serialises between runs; :meth:`resume` trusts only what
+    this client made (issue 41): an agent id it opened, or one of its own prefix
+    (``openai-agents-``) that no open session of the executor has (a fresh session is opened
+    for it), and a local snapshot only in a directory it made one in or one of
+    ``snapshot_roots``. A forged state naming another session's agent id, or a snapshot
+    elsewhere on the host, is refused.
+
     Args:
         executor: A :class:`~kernelexec.KernelExecutor` or
             :class:`~kernelexec.AsyncKernelExecutor` to share; it stays open after
             :meth:`aclose`.
+        max_archive_bytes: Largest workspace archive :meth:`KernelSandboxSession.persist_workspace`
+            hands over (a host temporary file meanwhile); a larger one is refused.
+        snapshot_roots: Directories a resumed state's local snapshot may lie in, beyond those
+            this client's :meth:`create` was given (a state saved by an earlier process).
         **executor_config: :class:`~kernelexec.ExecutorConfig` fields for an executor the
             client makes itself (on first use) for all its sessions and closes in
             :meth:`aclose`.
@@ -204,8 +261,17 @@ class KernelSandboxClient(BaseSandboxClient[KernelSandboxClientOptions | None]):
         self,
         *,
         executor: KernelExecutor | AsyncKernelExecutor | None = None,
+        max_archive_bytes: int = MAX_ARCHIVE,
+        snapshot_roots: Iterable[str | os.PathLike[str]] = (),
         **executor_config: Any,
     ) -> None:
+        if isinstance(max_archive_bytes, bool) or not isinstance(max_archive_bytes, int):
+            raise ConfigError(f"max_archive_bytes must be an int, not {max_archive_bytes!r}")
+        if isinstance(snapshot_roots, str | os.PathLike):
+            raise ConfigError("snapshot_roots must be a list of directories, not one path")
+        self._max_archive = max_archive_bytes
+        self._snapshot_roots = {os.path.realpath(os.fspath(p)) for p in snapshot_roots}
+        self._created: set[str] = set()
         if executor is not None and executor_config:
             names = ", ".join(sorted(executor_config))
             raise TypeError(f"pass either executor= or executor settings ({names}), not both")
@@ -235,6 +301,7 @@ class KernelSandboxClient(BaseSandboxClient[KernelSandboxClientOptions | None]):
             raise ExecTransportError(command=("pwd", "-P"), context={"stderr": result.stderr})
         root = result.stdout.rstrip("\n")
         self._kernels[agent_id] = kernel
+        self._created.add(agent_id)
         return kernel, manifest.model_copy(update={"root": root}, deep=True)
 
     async def create(
@@ -246,19 +313,49 @@ class KernelSandboxClient(BaseSandboxClient[KernelSandboxClientOptions | None]):
     ) -> SandboxSession:
         """Open a kernelexec session; the manifest's root becomes its working directory."""
         manifest = self._validate_manifest_for_create(manifest or Manifest())
-        agent_id = (
-            options.agent_id if options else None
-        ) or f"openai-agents-{uuid.uuid4().hex[:12]}"
+        agent_id = (options.agent_id if options else None) or f"{_PREFIX}-{uuid.uuid4().hex[:12]}"
         kernel, manifest = await self._open(agent_id, manifest)
         session_id = uuid.uuid4()
+        # one snapshot per session: a shared id would make runs restore each other's files
+        resolved = resolve_snapshot(snapshot, str(session_id))
+        if isinstance(resolved, LocalSnapshot):
+            self._snapshot_roots.add(await asyncio.to_thread(os.path.realpath, resolved.base_path))
         state = KernelSandboxSessionState(
-            session_id=session_id,
-            manifest=manifest,
-            # one snapshot per session: a shared id would make runs restore each other's files
-            snapshot=resolve_snapshot(snapshot, str(session_id)),
-            agent_id=agent_id,
+            session_id=session_id, manifest=manifest, snapshot=resolved, agent_id=agent_id
         )
-        return self._wrap_session(KernelSandboxSession(state=state, kernel=kernel))
+        return self._wrap_session(self._session(state, kernel))
+
+    def _session(
+        self, state: KernelSandboxSessionState, kernel: AgentKernel
+    ) -> KernelSandboxSession:
+        return KernelSandboxSession(state=state, kernel=kernel, max_archive_bytes=self._max_archive)
+
+    def _check_resumable(self, state: KernelSandboxSessionState) -> None:
+        """Refuse a state naming what this client did not make.
+
+        Raises:
+            ConfigError: another session's agent id, or a snapshot outside the roots.
+        """
+        agent_id = state.agent_id
+        if agent_id not in self._created:
+            if not agent_id.startswith(f"{_PREFIX}-"):
+                raise ConfigError(
+                    f"cannot resume agent_id {agent_id!r}: this client neither opened it nor "
+                    f"names its own sessions so (ids it makes start with {_PREFIX}-)"
+                )
+            if agent_id in self.executor.sessions:
+                raise ConfigError(
+                    f"cannot resume agent_id {agent_id!r}: it is an open session this client "
+                    "did not open"
+                )
+        snap = state.snapshot
+        if isinstance(snap, LocalSnapshot):
+            where = os.path.realpath(snap.base_path)
+            if not any(within(where, root) for root in self._snapshot_roots):
+                raise ConfigError(
+                    f"cannot resume a snapshot in {snap.base_path}: not a directory this client "
+                    "made snapshots in (name it in KernelSandboxClient(snapshot_roots=[...]))"
+                )
 
     async def delete(self, session: SandboxSession) -> SandboxSession:
         """Close the session's kernelexec session (its kernel, commands and files go)."""
@@ -271,13 +368,18 @@ class KernelSandboxClient(BaseSandboxClient[KernelSandboxClientOptions | None]):
 
     async def resume(self, state: SandboxSessionState) -> SandboxSession:
         """Reattach to the agent's session while it is open; else open a fresh one (the SDK
-        then restores the workspace from the state's snapshot)."""
+        then restores the workspace from the state's snapshot).
+
+        Raises:
+            ConfigError: the state names what this client did not make (see the class).
+        """
         if not isinstance(state, KernelSandboxSessionState):
             raise TypeError("KernelSandboxClient.resume expects a KernelSandboxSessionState")
+        await asyncio.to_thread(self._check_resumable, state)
         kernel, manifest = await self._open(state.agent_id, state.manifest)
         if manifest.root != state.manifest.root:
             state = state.model_copy(update={"manifest": manifest, "workspace_root_ready": False})
-        return self._wrap_session(KernelSandboxSession(state=state, kernel=kernel))
+        return self._wrap_session(self._session(state, kernel))
 
     def deserialize_session_state(self, payload: dict[str, object]) -> SandboxSessionState:
         return self._deserialize_session_state_payload(payload, KernelSandboxSessionState)
@@ -343,8 +445,42 @@ async def _run_bytes(
     except asyncio.CancelledError:
         await asyncio.shield(proc.kill())
         raise
-    if code is None and proc.running:
+    timed_out = code is None and proc.running
+    if timed_out:
         await proc.kill(signal.SIGKILL)
         await proc.wait()
-        return proc.stdout, proc.stderr, -signal.SIGKILL, True
-    return proc.stdout, proc.stderr, proc.exit_code if proc.exit_code is not None else -1, False
+    out = proc.stdout + _marker(len(proc.stdout), proc.stdout_dropped)
+    err = proc.stderr + _marker(len(proc.stderr), proc.stderr_dropped)
+    if timed_out:
+        return out, err, -signal.SIGKILL, True
+    return out, err, proc.exit_code if proc.exit_code is not None else -1, False
+
+
+async def _fetch(session: AsyncSession, stage: str, limit: int) -> io.IOBase:
+    """The kernel's file ``stage`` in a host temporary file (unlinked: gone once closed),
+    rewound; :class:`_TooBig` past ``limit`` bytes."""
+    out = await asyncio.to_thread(tempfile.TemporaryFile)
+    try:
+        size = 0
+        async with session.files.open_read(stage) as reader:
+            async for chunk in reader:
+                size += len(chunk)
+                if size > limit:
+                    raise _TooBig(limit)
+                await asyncio.to_thread(out.write, chunk)
+        await asyncio.to_thread(out.seek, 0)
+    except BaseException:
+        out.close()
+        raise
+    return cast(io.IOBase, out)
+
+
+async def _send(session: AsyncSession, stage: str, data: io.IOBase) -> None:
+    """Write ``data`` (read in chunks) to the kernel's file ``stage``."""
+    async with session.files.open_write(stage) as writer:
+        while chunk := await asyncio.to_thread(data.read, _CHUNK):
+            await writer.write(chunk.encode() if isinstance(chunk, str) else chunk)
+
+
+def _marker(kept: int, dropped: int) -> bytes:
+    return cut_marker(kept, dropped).encode() if dropped else b""
