@@ -121,7 +121,7 @@ def test_copy_back_keeps_holes_and_links_and_follows_nothing(tmp_path: Path) -> 
     deep.mkdir(parents=True)
     (deep / "leaf").write_text("deep")
     too_deep = src / "t"
-    for n in range(_trees.MAX_DEPTH + 2):
+    for _ in range(_trees.MAX_DEPTH + 2):
         too_deep = too_deep / "t"
     too_deep.mkdir(parents=True)
     skipped = _disk.copy_tree(str(src), str(dst))
