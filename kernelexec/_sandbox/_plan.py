@@ -66,6 +66,25 @@ below that start-up fails or the first allocation does)."""
 
 
 @dataclass(frozen=True)
+class DiskShares:
+    """How a kernel's ``max_disk_mb`` is shared among its writable places, in MiB: together
+    never more than the total. At ``"bwrap"`` the scratch share is halved between ``/tmp``
+    and ``/dev/shm``."""
+
+    workdir: int
+    home: int
+    scratch: int
+
+
+def disk_shares(total: int) -> DiskShares:
+    """``max_disk_mb`` shared out: half for the session directory the kernel works in, a
+    quarter for its own directory (``HOME``), a quarter for its scratch (``/tmp``, ``/var/tmp``
+    and ``/dev/shm``)."""
+    workdir, home = total // 2, total // 4
+    return DiskShares(workdir=workdir, home=home, scratch=total - workdir - home)
+
+
+@dataclass(frozen=True)
 class SandboxPlan:
     """How kernels of one launch are confined (see the module docstring)."""
 
@@ -142,7 +161,7 @@ class SandboxPlan:
                     chdir=kdir,
                     network=self.network,
                     uid=uid,
-                    tmp_mb=self.scratch_mb,
+                    tmp_mb=disk_shares(self.scratch_mb).scratch // 2,
                 )
             )
         return KernelSetup(self.level, full, title, launcher, prefix)
@@ -171,13 +190,17 @@ class SandboxPlan:
             found = [(top, paths) for top, paths in found if not _under_tmp(top)]
         return found
 
-    def disk_cap_mb(self) -> int:
-        """The size of the tmpfs made for a kernel's own directory and for each working
-        directory it enters (:mod:`kernelexec._sandbox._disk`; kernels with users of their own,
-        at "process" or "bwrap"); 0 when there is none."""
+    def disk_cap_mb(self, *, home: bool = False) -> int:
+        """The size of the tmpfs made for a working directory the kernel enters, or with
+        ``home`` for its own directory (:mod:`kernelexec._sandbox._disk`; kernels with users
+        of their own, at "process" or "bwrap"); 0 when there is none. ``max_disk_mb`` is the
+        kernel's total: see :func:`disk_shares`."""
         if not self.scratch_mb or self.level == "none" or not self.own_user:
             return 0
-        return self.scratch_mb if _disk.support() is None else 0
+        shares = disk_shares(self.scratch_mb)
+        if _disk.support() is not None:
+            return 0
+        return shares.home if home else shares.workdir
 
     def scratch(self, *handed: str | None) -> dict[str, Any] | None:
         """The launcher's private scratch space for a kernel given ``handed`` directories: the
@@ -189,7 +212,8 @@ class SandboxPlan:
         needed = sorted({os.path.realpath(p) for p in [*self.reach, *(d for d in handed if d)]})
         keep = [p for p in needed if _under_tmp(p) and p != "/tmp"]
         keep = [p for p in keep if not any(q != p and p.startswith(q + "/") for q in keep)]
-        return {"size": self.scratch_mb * 1024 * 1024, "keep": keep, "ipc": True}
+        size = disk_shares(self.scratch_mb).scratch
+        return {"size": size * 1024 * 1024, "keep": keep, "ipc": True}
 
 
 NO_SANDBOX = SandboxPlan(level="none", network=True)
@@ -372,16 +396,17 @@ def make_plan(
                     )
                 continue
             scratch_mb = int(value)
+            share = disk_shares(scratch_mb)
             places = (
-                "/tmp and /dev/shm: a tmpfs each"
+                f"in all: /tmp and /dev/shm a {share.scratch // 2} MiB tmpfs each"
                 if level == "bwrap"
-                else "/tmp, /var/tmp and /dev/shm: one tmpfs"
+                else f"in all: /tmp, /var/tmp and /dev/shm one {share.scratch} MiB tmpfs"
             )
             refused = "the host is not root" if not own_user else _disk.support()
             if refused is None:
                 places += (
-                    "; HOME (the kernel's own directory) and each session directory it works "
-                    "in: a tmpfs each"
+                    f"; HOME (the kernel's own directory) a {share.home} MiB tmpfs; the "
+                    f"session directory it works in a {share.workdir} MiB tmpfs"
                 )
             else:
                 places += f"; not HOME or the session directory ({refused})"
@@ -420,14 +445,15 @@ def make_plan(
                 f"only what it needs: {shown}"
             )
         if scratch_mb:
+            share = disk_shares(scratch_mb)
             bounds["filesystem"] += (
-                f"; a private /tmp, /var/tmp and /dev/shm (one {scratch_mb} MiB tmpfs, gone "
+                f"; a private /tmp, /var/tmp and /dev/shm (one {share.scratch} MiB tmpfs, gone "
                 "with the kernel)"
             )
             if own_user and _disk.support() is None:
                 bounds["filesystem"] += (
-                    f"; its own directory and each working directory: a {scratch_mb} MiB tmpfs "
-                    "each (a working directory is copied back to the disk when the kernel ends)"
+                    f"; its own directory a {share.home} MiB tmpfs and its working directory a "
+                    f"{share.workdir} MiB tmpfs (copied back to the disk when the kernel ends)"
                 )
             env["TMPDIR"] = "/tmp"
         else:
@@ -442,14 +468,16 @@ def make_plan(
         reap = "subreaper launcher (restart, shutdown; host death via PR_SET_PDEATHSIG)"
     else:
         net = network is True
+        share = disk_shares(scratch_mb)
+        each = share.scratch // 2 if scratch_mb else _bwrap.TMP_MB
         bounds["filesystem"] = (
             "bwrap: read-only system directories and interpreter, the session directories and a "
-            f"private {scratch_mb} MiB /tmp and /dev/shm writable, nothing else of the host"
+            f"private {each} MiB /tmp and /dev/shm writable, nothing else of the host"
         )
         if scratch_mb and own_user and _disk.support() is None:
             bounds["filesystem"] += (
-                f"; its own directory and each working directory: a {scratch_mb} MiB tmpfs "
-                "each (a working directory is copied back to the disk when the kernel ends)"
+                f"; its own directory a {share.home} MiB tmpfs and its working directory a "
+                f"{share.workdir} MiB tmpfs (copied back to the disk when the kernel ends)"
             )
         bounds["network"] = (
             "the host's (network=True)" if net else "bwrap: own network namespace, loopback only"

@@ -335,7 +335,7 @@ class LocalConnection(KernelConnection):
             self._uid = await asyncio.to_thread(_uids.allocate)
             self._owns_uid = True
             _users.hand_over(kdir, self._uid)
-            await self._cap(kdir)  # before the kernel's namespace: it sees the mount
+            await self._cap(kdir, home=True)  # before the kernel's namespace: it sees the mount
             if self._workdir:
                 _users.allow_search(self._workdir)
         if plan.use_cgroup:
@@ -579,10 +579,10 @@ class LocalConnection(KernelConnection):
             why = exc.strerror or str(exc)
             raise KernelStartError(f"could not lend {loan.path} to the kernel: {why}") from None
 
-    async def _cap(self, path: str) -> bool:
+    async def _cap(self, path: str, *, home: bool = False) -> bool:
         """Make ``path`` a tmpfs of ``max_disk_mb`` for this kernel's user where the plan says
         so (:mod:`kernelexec._sandbox._disk`); whether it did."""
-        size = self._plan.disk_cap_mb() if self._plan is not None else 0
+        size = self._plan.disk_cap_mb(home=home) if self._plan is not None else 0
         if not size or self._uid is None:
             return False
         try:

@@ -50,7 +50,9 @@ def fill(path, mb):
 def test_working_directory_and_home_are_capped_and_kept_across_restarts(level: str) -> None:
     with kx.KernelExecutor(isolation=level, limits=kx.Limits(max_disk_mb=32)) as ex:
         s = ex.session("disk")
-        assert "each session directory it works in" in s.isolation.limits["max_disk_mb"]
+        assert (
+            "the session directory it works in a 16 MiB tmpfs" in s.isolation.limits["max_disk_mb"]
+        )
         r = s.run_code(
             FILL + "kept = 'x'\n"
             "(fill('small', 4), fill('big', 64), fill(os.path.expanduser('~/big'), 64),"
@@ -68,6 +70,40 @@ def test_working_directory_and_home_are_capped_and_kept_across_restarts(level: s
         assert mounts, "the working directory is not a capped mount while the kernel works in it"
     # Gone with the kernel, and the files are back on the disk until the executor removes them.
     assert os.path.realpath(cwd) not in _disk.mounts()
+
+
+TOTAL = r"""
+import errno, os
+
+def fill(path):
+    written = 0
+    try:
+        with open(path, 'wb') as fh:
+            while written < 256:
+                fh.write(b'x' * (1 << 20))
+                fh.flush()
+                written += 1
+    except OSError as exc:
+        assert exc.errno in (errno.ENOSPC, errno.EFBIG), exc
+    return written
+
+places = ['full', os.path.expanduser('~/full'), '/tmp/full']
+if os.path.isdir('/dev/shm') and os.access('/dev/shm', os.W_OK):
+    places.append('/dev/shm/full')
+(sum(fill(p) for p in places), places)
+"""
+
+
+@pytest.mark.parametrize("level", ["process", pytest.param("bwrap", marks=needs_bwrap)])
+def test_max_disk_mb_is_one_total_for_a_session(level: str) -> None:
+    # Every writable place of the kernel filled at once: together no more than max_disk_mb.
+    with kx.KernelExecutor(isolation=level, limits=kx.Limits(max_disk_mb=64)) as ex:
+        s = ex.session("total")
+        r = s.run_code(TOTAL)
+        assert r.ok, r.error
+        total, places = eval(r.result or "")
+        assert len(places) >= 3
+        assert 32 <= total <= 64, (total, places)
 
 
 def test_what_the_directory_held_is_moved_in_and_too_much_is_a_clear_error(
