@@ -182,3 +182,48 @@ def test_a_killed_host_takes_every_branch_with_it(isolation: str) -> None:
             host.stdout.close()
         _cgroups.sweep_stale()  # the killed host's empty groups
         shutil.rmtree(short_tmp, ignore_errors=True)
+
+
+@needs_root
+def test_a_branch_can_end_its_familys_kernels_and_nothing_outside_the_family() -> None:
+    # One agent's branches are one tenant (docs/security.md, "Branches"): a branch runs as its
+    # parent's user, so it can signal the kernels of its family and write their working
+    # directories; it cannot reach another agent's kernel or files.
+    with kx.KernelExecutor(max_kernels=6) as ex:
+        parent = ex.session("family")
+        other = ex.session("stranger")
+        parent.run_code("import os\nopen('mine.txt', 'w').write('p')\nkept = 1").raise_for_error()
+        other.run_code("import os\nopen('theirs.txt', 'w').write('o')\nx = 1").raise_for_error()
+        parent_pid = int(parent.run_code("print(os.getpid())").stdout)
+        other_pid = int(other.run_code("print(os.getpid())").stdout)
+        probe = (
+            "import os, signal\n"
+            "def reach(path):\n"
+            "    try:\n"
+            "        open(path, 'a').write('branch')\n"
+            "        return 'wrote'\n"
+            "    except OSError as exc:\n"
+            "        return type(exc).__name__\n"
+            "def hit(pid):\n"
+            "    try:\n"
+            "        os.kill(pid, 0)\n"
+            "        return 'can signal'\n"
+            "    except OSError as exc:\n"
+            "        return type(exc).__name__\n"
+            f"print(reach({str(parent.workdir / 'mine.txt')!r}), "
+            f"reach({str(other.workdir / 'theirs.txt')!r}), hit({parent_pid}), hit({other_pid}),"
+            " sep='|')"
+        )
+        [child] = parent.fork(1)
+        try:
+            seen = child.run_code(probe).stdout.strip().split("|")
+            assert seen[1] in ("PermissionError", "FileNotFoundError")  # another agent's files
+            assert seen[3] == "PermissionError"  # another agent's kernel
+            assert seen[2] == "can signal"  # its family's kernel: the same user
+            assert seen[0] == "wrote"  # its family's files: the same user
+            child.run_code(f"os.kill({parent_pid}, signal.SIGKILL)").raise_for_error()
+            after = parent.run_code("print(kept)")
+            assert after.kernel_restarted is True and "kept" in after.lost_variables
+            assert (parent.workdir / "mine.txt").read_text() == "pbranch"
+        finally:
+            child.close()
