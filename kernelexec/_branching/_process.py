@@ -259,7 +259,11 @@ class BranchProcess(ForkedProcess):
         self._pidfd: int | None = os.pidfd_open(pid)
 
     def _reap(self) -> None:
-        self.returncode = self.template.status(self.pid)
+        status = self.template.status(self.pid)
+        # None: the template that reaps it is gone too (a branch that ended its family's first
+        # kernel ends with it); it has ended all the same, and "still running" would leave its
+        # calls waiting out their deadline.
+        self.returncode = -signal.SIGKILL if status is None else status
         self._done = True
         if self._pidfd is not None:
             os.close(self._pidfd)

@@ -221,9 +221,13 @@ def test_a_branch_can_end_its_familys_kernels_and_nothing_outside_the_family() -
             assert seen[3] == "PermissionError"  # another agent's kernel
             assert seen[2] == "can signal"  # its family's kernel: the same user
             assert seen[0] == "wrote"  # its family's files: the same user
-            child.run_code(f"os.kill({parent_pid}, signal.SIGKILL)").raise_for_error()
+            # The branches of a kernel end with it (their template is its fork): the branch
+            # that killed it too, and its next call says so at once, not at its deadline.
+            killed = child.run_code(f"os.kill({parent_pid}, signal.SIGKILL)")
+            assert killed.error is not None and killed.error.kind == "kernel_died", killed
             after = parent.run_code("print(kept)")
             assert after.kernel_restarted is True and "kept" in after.lost_variables
+            assert child.run_code("print('back')").stdout == "back\n"
             assert (parent.workdir / "mine.txt").read_text() == "pbranch"
         finally:
             child.close()
