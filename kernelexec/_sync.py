@@ -13,9 +13,7 @@ import sys
 import weakref
 from collections.abc import Callable, Coroutine
 from pathlib import Path, PurePath
-from typing import Any, TypeVar
-
-from nbformat import NotebookNode
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kernelexec._aio import LoopThread
 from kernelexec._branching._family import AsyncSnapshot
@@ -38,6 +36,9 @@ if sys.version_info >= (3, 11):
     from typing import Unpack
 else:  # pydantic's own dependency
     from typing_extensions import Unpack
+
+if TYPE_CHECKING:
+    from nbformat import NotebookNode
 
 T = TypeVar("T")
 
