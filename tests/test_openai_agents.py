@@ -234,3 +234,15 @@ def test_an_owned_executor_is_closed_with_the_client() -> None:
     assert asyncio.run(go()).stdout == b"hi"
     with pytest.raises(kx.ConfigError, match="isolaton"):
         KernelSandboxClient(isolaton="none")
+
+
+async def test_an_async_executor_not_started_yet_starts_on_first_use() -> None:
+    ex = kx.AsyncKernelExecutor(isolation="none")
+    client = KernelSandboxClient(executor=ex)
+    try:
+        session = await client.create()
+        async with session:
+            assert (await session.exec("printf hi")).stdout == b"hi"
+    finally:
+        await client.aclose()
+        await ex.aclose()
