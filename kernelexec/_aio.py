@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -55,13 +56,61 @@ def call_blocking(loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, T])
     When the wait ends early (Ctrl-C in the waiting thread), ``work`` is cancelled on its loop.
     ``work`` runs in a copy of the caller's context (``call_soon_threadsafe`` copies it), so
     the caller's OpenTelemetry span is its parent.
+
+    The wait is on a bare lock that the loop releases, never on a lock both threads take: a
+    ``KeyboardInterrupt`` lands between any two bytecodes of the waiting thread, inside
+    ``threading`` and ``concurrent.futures`` too, and one landing there could leave such a
+    lock taken, so that the loop thread then blocked on it for good and a Ctrl-C hung the
+    program (``run_coroutine_threadsafe`` and ``Future.result`` did, under load).
     """
-    future = _submit(work, loop)
+    call: _BlockingCall[T] | None = None
     try:
-        return future.result()
-    except BaseException:
-        future.cancel()
+        call = _BlockingCall(work)
+        loop.call_soon_threadsafe(call.start)
+    except BaseException as exc:
+        if call is None or isinstance(exc, RuntimeError):  # not scheduled: it will never run
+            work.close()
+        else:  # interrupted: scheduled or not, the loop sorts it out (``cancel``)
+            call.abandon(loop)
         raise
+    try:
+        return call.result()
+    except BaseException:
+        call.abandon(loop)
+        raise
+
+
+class _BlockingCall(Generic[T]):
+    """One :func:`call_blocking`: ``start`` and ``cancel`` run on the loop, in the order they
+    were scheduled; the waiting thread only acquires ``done``, which the loop releases once."""
+
+    def __init__(self, work: Coroutine[Any, Any, T]) -> None:
+        self._work = work
+        self._task: asyncio.Task[T] | None = None
+        self._done = threading.Lock()
+        self._done.acquire()
+
+    def start(self) -> None:
+        self._task = asyncio.ensure_future(self._work)
+        self._task.add_done_callback(lambda _: self._done.release())
+
+    def cancel(self) -> None:
+        if self._task is None:  # the caller was interrupted before ``start`` was scheduled
+            self._work.close()
+        else:
+            self._task.cancel()
+
+    def abandon(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The caller stops waiting: cancel the work on its loop (nothing if the loop ended)."""
+        with contextlib.suppress(RuntimeError):
+            loop.call_soon_threadsafe(self.cancel)
+
+    def result(self) -> T:
+        self._done.acquire()
+        assert self._task is not None
+        if self._task.cancelled():
+            raise concurrent.futures.CancelledError
+        return self._task.result()
 
 
 async def await_on(loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, T]) -> T:
@@ -75,7 +124,7 @@ def _submit(
 ) -> concurrent.futures.Future[T]:
     try:
         return asyncio.run_coroutine_threadsafe(work, loop)
-    except BaseException:  # the loop is closed: ``work`` will never run
+    except RuntimeError:  # the loop is closed: ``work`` will never run
         work.close()
         raise
 

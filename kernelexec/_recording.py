@@ -9,17 +9,18 @@ from __future__ import annotations
 import asyncio
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import filelock
-import nbformat
-from nbformat import NotebookNode
 
 from kernelexec import _json
 from kernelexec._exceptions import ConfigError, NotebookError
 from kernelexec._models import RunRecord, now_iso
 from kernelexec._notebooks._io import ERROR_TAG, KEY, call_source, read_notebook, write_atomic
 from kernelexec._protocol._host import state_json
+
+if TYPE_CHECKING:
+    from nbformat import NotebookNode
 
 log = logging.getLogger("kernelexec")
 
@@ -75,6 +76,8 @@ class SessionRecorder:
             lock.release()
 
     def _load_or_create(self, fingerprint: str, env: dict[str, Any]) -> NotebookNode:
+        import nbformat  # only when recording: see kernelexec._notebooks._io.read_notebook
+
         if self.path is not None and self.path.exists():
             try:
                 nb = read_notebook(self.path)
@@ -152,6 +155,8 @@ class SessionRecorder:
     def _cell(
         self, source: str, outputs: list[Any], count: int | None, meta: dict[str, Any]
     ) -> NotebookNode:
+        import nbformat
+
         cell = nbformat.v4.new_code_cell(source=source)
         cell.outputs = [nbformat.from_dict(o) for o in outputs]
         cell.execution_count = count
@@ -181,6 +186,8 @@ class SessionRecorder:
         )
 
     def _add_tool_call(self, record: RunRecord) -> None:
+        import nbformat
+
         tool, args, result = record.tool, record.args or {}, record.result
         assert tool is not None
         fresh = self._fresh_kernel(record)
@@ -227,6 +234,8 @@ class SessionRecorder:
         session ``parent`` (after its last recorded cell, when it records too)."""
         cells = len(parent_notebook.cells) if parent_notebook is not None else None
         where = f"after its cell {cells}" if cells else "(which does not record its cells)"
+        import nbformat
+
         cell = nbformat.v4.new_markdown_cell(
             source=(
                 f"Branched from session `{parent}` {where} at {now_iso()}: this session "

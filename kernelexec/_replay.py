@@ -56,11 +56,14 @@ class ReplayReport(BaseModel):
         notebook: The replayed file.
         cells_run: Code cells executed.
         differences: One entry per cell whose outputs (or status) differ.
+        notes: What of the recording the replay did not follow, one line each (a recorded
+            interpreter or venv path, which a notebook may not make the host run).
     """
 
     notebook: str
     cells_run: int = 0
     differences: list[CellDifference] = Field(default_factory=list)
+    notes: list[str] = Field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -192,6 +195,13 @@ async def areplay(
         ):
             raise NotebookError("the recorded env's requirements are not a list of strings")
         config["env"] = VenvEnv(requirements=tuple(requirements))
+        ignored = {k: recorded_env.get(k) for k in ("python", "path") if recorded_env.get(k)}
+        if ignored:
+            named = ", ".join(f"{k} {v!r}" for k, v in ignored.items())
+            report.notes.append(
+                f"the recorded venv's {named} not used: its requirements were built from "
+                "kernelexec's own interpreter (a notebook names no program for the host to run)"
+            )
     async with AsyncKernelExecutor(default_timeout=default_timeout, **config) as ex:
         env = ex.env
         building = isinstance(env, VenvEnv) and env.requirements and not build_requirements

@@ -9,13 +9,15 @@ already running in the calling thread (inside Jupyter).
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import importlib
+import logging
 import sys
+import threading
 import weakref
 from collections.abc import Callable, Coroutine
 from pathlib import Path, PurePath
-from typing import Any, TypeVar
-
-from nbformat import NotebookNode
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kernelexec._aio import LoopThread
 from kernelexec._branching._family import AsyncSnapshot
@@ -38,6 +40,9 @@ if sys.version_info >= (3, 11):
     from typing import Unpack
 else:  # pydantic's own dependency
     from typing_extensions import Unpack
+
+if TYPE_CHECKING:
+    from nbformat import NotebookNode
 
 T = TypeVar("T")
 
@@ -89,10 +94,44 @@ def async_side(executor: KernelExecutor) -> tuple[AsyncKernelExecutor, asyncio.A
 
 
 def _shutdown(portal: _Portal, executor: AsyncKernelExecutor) -> None:
+    _unclosed.pop(portal, None)
     try:
         portal.call(executor.aclose)
     finally:
         portal.stop()
+
+
+_unclosed: dict[_Portal, weakref.finalize[Any, Any]] = {}
+"""The shutdowns of executors not closed yet, run by :func:`_close_at_exit`."""
+
+
+def _close_at_exit() -> None:
+    """Close the executors a program left open when it exits.
+
+    Run among ``threading``'s exit hooks, before ``atexit``'s: ``concurrent.futures``' own hook
+    ends every thread pool there, the event loops' default executors too, and a shutdown that
+    ran after it (a ``weakref.finalize`` at ``atexit``) could not hand blocking work to a
+    thread: it printed ``cannot schedule new futures after shutdown`` four times per kernel.
+    """
+    for finalizer in list(_unclosed.values()):
+        try:
+            finalizer()
+        except Exception as exc:
+            logging.getLogger("kernelexec").warning("closing an executor at exit: %r", exc)
+
+
+def _watch_exit() -> None:
+    # its hook registered first: the hooks run in reverse order, so ours runs before it
+    importlib.import_module("concurrent.futures.thread")
+
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:  # not CPython's threading: the finalizers' own atexit is left
+        return
+    with contextlib.suppress(RuntimeError):  # the interpreter is exiting already
+        register(_close_at_exit)
+
+
+_watch_exit()
 
 
 class Snapshot:
@@ -274,6 +313,7 @@ class KernelExecutor:
             weakref.WeakValueDictionary()
         )
         self._finalizer = weakref.finalize(self, _shutdown, self._portal, self._async)
+        _unclosed[self._portal] = self._finalizer
 
     @property
     def config(self) -> ExecutorConfig:

@@ -4,8 +4,13 @@ recorded), and closing the executor ends calls in flight with ExecutorClosedErro
 from __future__ import annotations
 
 import asyncio
+import os
+import subprocess
+import sys
+import textwrap
 import threading
 
+import psutil
 import pytest
 
 import kernelexec as kx
@@ -115,3 +120,28 @@ def test_a_raising_output_callback_stops_the_run_and_frees_the_kernel() -> None:
         with pytest.raises(ValueError, match="callback broke"):
             s.call_tool(tool, {}, on_stdout=explode)
         assert s.run_code("kept + 2", timeout=20).result == "3"
+
+
+def test_a_program_that_exits_without_close_cleans_up_quietly() -> None:
+    """An executor left open is closed at exit, before the thread pools end, with nothing on
+    stderr (issue 36: four ``cannot schedule new futures after shutdown`` lines a kernel)."""
+    program = textwrap.dedent(
+        """
+        import os
+        import kernelexec as kx
+
+        ex = kx.KernelExecutor()
+        for agent in ("a", "b"):
+            session = ex.session(agent)
+            print(session.run_code("import os; os.getpid()").result, session.workdir, flush=True)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=120
+    )
+    assert (proc.returncode, proc.stderr) == (0, "")
+    started = [line.split() for line in proc.stdout.splitlines()]
+    assert len(started) == 2
+    for pid, workdir in started:
+        assert not psutil.pid_exists(int(pid))
+        assert not os.path.exists(workdir)

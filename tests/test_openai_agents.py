@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 from pathlib import Path
 from typing import Any
 
@@ -20,8 +21,13 @@ from agents.run_config import RunConfig, SandboxRunConfig
 from agents.sandbox import Manifest, SandboxAgent
 from agents.sandbox.capabilities import Capabilities
 from agents.sandbox.entries import File
-from agents.sandbox.errors import ExecTimeoutError, WorkspaceReadNotFoundError
+from agents.sandbox.errors import (
+    ExecTimeoutError,
+    PtySessionNotFoundError,
+    WorkspaceReadNotFoundError,
+)
 from agents.testing import ScriptedModel, assistant_message, function_call
+from agents.testing.model import ModelCall, ModelStep
 
 import kernelexec as kx
 from kernelexec.compat.openai_agents import (
@@ -89,6 +95,85 @@ async def test_agent_state_carries_from_step_to_step_in_one_kernel(
     assert not [a for a in executor.sessions if a.startswith("openai-agents-")]
 
 
+async def test_a_command_longer_than_its_yield_goes_on_and_a_later_command_reads_it(
+    executor: kx.KernelExecutor,
+) -> None:
+    """The model's ``exec_command`` waits ``yield_time_ms`` for a command; one that takes
+    longer goes on running (as in the SDK's own local sandbox), the model gets a session id,
+    reads the rest with ``write_stdin`` and a later command sees what it wrote."""
+
+    def poll_the_running_command(call: ModelCall) -> ModelStep:
+        said = str(call.input[-1]["output"])
+        found = re.search(r"Process running with session ID (\d+)", said)
+        assert found, said
+        args = {"session_id": int(found.group(1)), "chars": "", "yield_time_ms": 30_000}
+        return ModelStep(output=[function_call("write_stdin", args, call_id="c1")])
+
+    client = KernelSandboxClient(executor=executor)
+    agent = SandboxAgent(
+        name="kx",
+        model=ScriptedModel(
+            [
+                [
+                    function_call(
+                        "exec_command",
+                        {
+                            "cmd": "echo begun; sleep 3; echo late > late.txt; echo finished",
+                            "yield_time_ms": 1000,
+                        },
+                        call_id="c0",
+                    )
+                ],
+                ModelStep.respond(poll_the_running_command),
+                [function_call("exec_command", {"cmd": "cat late.txt"}, call_id="c2")],
+                [assistant_message("done")],
+            ]
+        ),
+        instructions="test",
+        capabilities=Capabilities.default(),
+    )
+    try:
+        result = await Runner.run(
+            agent, "go", run_config=RunConfig(sandbox=SandboxRunConfig(client=client))
+        )
+        started, polled, read = _outputs(result)
+        assert "Process running with session ID" in started, started
+        assert started.endswith("begun\n") and "finished" not in started
+        assert "Process exited with code 0" in polled and polled.endswith("finished\n")
+        assert "begun" not in polled  # each output is shown once
+        assert "Process exited with code 0" in read and read.endswith("late\n")
+    finally:
+        await client.aclose()
+
+
+async def test_a_running_command_takes_no_input_and_goes_with_its_session(
+    executor: kx.KernelExecutor,
+) -> None:
+    client = KernelSandboxClient(executor=executor)
+    try:
+        session = await client.create()
+        async with session:
+            started = await session.pty_exec_start("sleep 60; echo never", yield_time_s=0.3)
+            assert started.exit_code is None and started.process_id is not None
+            with pytest.raises(RuntimeError, match="read no input"):
+                await session.pty_write_stdin(session_id=started.process_id, chars="y\n")
+            with pytest.raises(PtySessionNotFoundError):
+                await session.pty_write_stdin(session_id=started.process_id + 1, chars="")
+            inner = session._inner
+            command = inner._processes[started.process_id].command
+            await session.pty_terminate_all()
+            assert await kx_wait(inner, command) == -9
+            with pytest.raises(PtySessionNotFoundError):
+                await session.pty_write_stdin(session_id=started.process_id, chars="")
+    finally:
+        await client.aclose()
+
+
+async def kx_wait(inner: Any, command: Any) -> int | None:
+    """Wait, on the session's loop, for a background command to end; its exit code."""
+    return int(await inner.kernel.acall(lambda _: command.wait(30)))
+
+
 async def test_two_agents_see_neither_files_nor_state_of_the_other(
     executor: kx.KernelExecutor,
 ) -> None:
@@ -150,3 +235,15 @@ def test_an_owned_executor_is_closed_with_the_client() -> None:
     assert asyncio.run(go()).stdout == b"hi"
     with pytest.raises(kx.ConfigError, match="isolaton"):
         KernelSandboxClient(isolaton="none")
+
+
+async def test_an_async_executor_not_started_yet_starts_on_first_use() -> None:
+    ex = kx.AsyncKernelExecutor(isolation="none")
+    client = KernelSandboxClient(executor=ex)
+    try:
+        session = await client.create()
+        async with session:
+            assert (await session.exec("printf hi")).stdout == b"hi"
+    finally:
+        await client.aclose()
+        await ex.aclose()

@@ -10,6 +10,7 @@ alone, not from the source tree.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import sysconfig
@@ -95,3 +96,30 @@ def test_the_wheel_installs_in_a_fresh_venv_and_runs_the_demo(wheel: Path, tmp_p
     )
     assert demo.returncode == 0, demo.stdout + demo.stderr
     assert list((tmp_path / "rec").glob("*.ipynb")), demo.stdout
+
+
+@pytest.mark.parametrize("page", ["README.md", "docs/getting-started.md"])
+def test_the_install_commands_install_what_exists(page: str) -> None:
+    """kernelexec is on no package index: ``pip install kernelexec`` failed with 'No matching
+    distribution' (issue 36). Every ``pip install`` of the Install section names a checkout
+    (``.``) or a wheel that ``make dist`` builds, and every extra it names exists."""
+    tomllib = pytest.importorskip("tomllib")
+    text = (ROOT / page).read_text()
+    section = text[text.index("## Install") :]
+    section = section[: section.index("\n## ", 1)]
+    targets = [
+        line.split("#")[0].split()[2].strip("'\"")
+        for line in section.splitlines()
+        if line.startswith("pip install ")
+    ]
+    assert targets
+    extras = set(
+        tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    )
+    for target in targets:
+        found = re.fullmatch(
+            r"(\.|dist/kernelexec-<version>-py3-none-any\.whl)(\[(\w[\w-]*)\])?", target
+        )
+        assert found, target
+        assert found.group(3) is None or found.group(3) in extras, target
+    assert "make dist" in section

@@ -12,6 +12,7 @@ import types
 import typing
 from typing import Any
 
+import nbformat
 import pytest
 
 import kernelexec as kx
@@ -83,8 +84,10 @@ def test_the_typed_settings_are_the_config_fields() -> None:
 def test_the_facade_properties_are_typed(cls: type) -> None:
     props = {n: p for n, p in vars(cls).items() if isinstance(p, property)}
     assert props
+    # nbformat is imported for type checkers only: at run time, on first use (issue 36)
+    lazy = {"NotebookNode": nbformat.NotebookNode}
     for name, prop in props.items():
-        returns = inspect.get_annotations(prop.fget, eval_str=True)["return"]
+        returns = inspect.get_annotations(prop.fget, eval_str=True, locals=lazy)["return"]
         assert returns is not Any, name
 
 

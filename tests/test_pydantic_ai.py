@@ -199,6 +199,19 @@ async def test_an_async_executor_on_the_same_loop_is_shared() -> None:
         assert workspace.agent_id not in ex.sessions
 
 
+async def test_an_async_executor_not_started_yet_starts_on_first_use() -> None:
+    """As everywhere in the core API (issue 36: the adapters refused it)."""
+    ex = kx.AsyncKernelExecutor(isolation="none")
+    try:
+        workspace = KernelWorkspace(executor=ex)
+        result = await workspace.run(["sh", "-c", "printf hi"])
+        assert (result.exit_code, result.stdout) == (0, "hi")
+        assert ex.loop is not None and workspace.agent_id in ex.sessions
+        await workspace.aclose()
+    finally:
+        await ex.aclose()
+
+
 def test_building_does_nothing_and_bad_settings_are_refused() -> None:
     workspace = KernelWorkspace(isolation="none")
     assert workspace.ref is None

@@ -465,3 +465,61 @@ def test_a_failed_save_is_on_the_result_and_the_next_save_retries(tmp_path: Path
 
 def test_no_recording_means_no_recording_error(executor: kx.KernelExecutor) -> None:
     assert executor.run_code("1", agent_id="unrecorded").recording_error is None
+
+
+def test_a_program_that_never_records_imports_no_nbformat(tmp_path: Path) -> None:
+    """Importing nbformat (and with it jsonschema, which compiles rfc3987-syntax's grammars
+    where JupyterLab is installed) doubled the time to a first result (issue 36); only
+    recording, replay and notebook reading need it."""
+    probe = textwrap.dedent(
+        f"""
+        import sys
+        import kernelexec as kx
+        with kx.KernelExecutor() as ex:
+            agent = ex.session("a")
+            agent.run_code("from IPython.display import display; display(1); 1/0")
+            print(agent.run_code("6 * 7").result)
+            print(sorted(m for m in ("nbformat", "jsonschema") if m in sys.modules))
+            with kx.KernelExecutor(record_dir={str(tmp_path)!r}) as rec:
+                rec.session("b").run_code("1")
+            print("nbformat" in sys.modules)
+        """
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert proc.stdout.split("\n")[:3] == ["42", "[]", "True"], proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("kind", "content"),
+    [
+        ("execute_result", {"data": {"text/plain": "1"}, "metadata": {}, "execution_count": 3}),
+        ("execute_result", {"data": {"text/plain": ["a", "b"]}, "metadata": {}}),
+        ("execute_result", {"data": {}, "metadata": {}, "execution_count": -1}),
+        ("execute_result", {"data": {}, "metadata": {}, "execution_count": None}),
+        ("execute_result", {"data": {}, "metadata": {}, "execution_count": True}),
+        ("display_data", {"data": {"application/vnd.x+json": {"k": [1]}}, "metadata": {"m": 1}}),
+        ("display_data", {"data": {"application/json": 5, "image/png": "iVBO"}, "metadata": {}}),
+        ("display_data", {"data": {"text/plain": 5}, "metadata": {}}),
+        ("display_data", {"data": {"text/plain": ["a", 1]}, "metadata": {}}),
+        ("display_data", {"data": "x", "metadata": {}}),
+        ("display_data", {"data": {}, "metadata": []}),
+        ("display_data", {"data": {}}),
+        ("error", {"ename": "E", "evalue": "v", "traceback": ["1", "2"]}),
+        ("error", {"ename": "E", "evalue": 5, "traceback": []}),
+        ("error", {"ename": "E", "evalue": "v", "traceback": [1]}),
+        ("error", {"ename": "E", "evalue": "v"}),
+    ],
+)
+def test_outputs_are_built_as_nbformat_builds_them(kind: str, content: dict[str, Any]) -> None:
+    """The run loop builds outputs without nbformat: the same outputs, the same refusals."""
+    from nbformat.v4 import output_from_msg
+
+    from kernelexec._core._outputs import notebook_output
+
+    try:
+        expected = output_from_msg({"header": {"msg_type": kind}, "content": content})
+    except Exception:
+        expected = None
+    assert notebook_output(kind, content) == expected

@@ -123,6 +123,26 @@ def test_an_agent_keeps_its_state_across_steps_and_tools_run_in_the_kernel(
         assert ex.sessions == {}  # the adapter closed its session; the shared executor stays
 
 
+def test_an_agent_runs_in_a_kernel_without_numpy() -> None:
+    """numpy is no dependency of smolagents, but the final answer's code it sends imports it at
+    its top: on a clean ``kernelexec[smolagents]`` install the docs' example failed with
+    ``No module named 'numpy'`` (issue 36). The kernel here cannot import it."""
+    hide = "import sys\nsys.modules['numpy'] = None  # as if it were not installed"
+    with kx.KernelExecutor(isolation="none", setup_code=hide) as ex:
+        executor = KernelPythonExecutor([], _quiet_logger(), agent_id="smol-np", executor=ex)
+        steps = [
+            "rows = [3, 4, 5]",
+            "import sys\nfinal_answer([sum(rows), 'numpy' in sys.modules])",
+        ]
+        agent = CodeAgent(tools=[], model=ScriptedModel(steps), executor=executor, max_steps=3)
+        try:
+            assert agent.run("Sum the rows.") == [12, True]  # True: the None that hides it
+            missing = executor._kernel.run_code("import numpy")
+            assert missing.error is not None and missing.error.ename == "ModuleNotFoundError"
+        finally:
+            agent.cleanup()
+
+
 def test_two_agents_do_not_see_each_others_state_or_files() -> None:
     with kx.KernelExecutor() as ex:  # the default isolation: a uid per kernel where possible
         one = KernelPythonExecutor([], _quiet_logger(), agent_id="smol-1", executor=ex)

@@ -405,6 +405,8 @@ def _cmd_replay(ns: argparse.Namespace) -> int:
     level = ns.isolation or LocalBackend.default_isolation
     print(f"replaying {ns.notebook} in a fresh kernel at isolation={level!r}", file=sys.stderr)
     report = replay(ns.notebook, **options)
+    for note in report.notes:
+        print(f"kernelexec: {note}", file=sys.stderr)
     if ns.json:
         print(report.model_dump_json())
     else:

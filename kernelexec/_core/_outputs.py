@@ -7,11 +7,10 @@ callers' ``on_stdout``/``on_stderr``/``on_display`` hooks see output as it arriv
 from __future__ import annotations
 
 import inspect
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-from nbformat.v4 import output_from_msg
+from typing import Any, TypeGuard
 
 from kernelexec._protocol._kernel_budget import OUTPUT_TYPES
 from kernelexec.backends._base import KernelMessage
@@ -71,6 +70,51 @@ class Collected:
     widgets_dropped: int = 0
 
 
+_JSON_MIME = re.compile(r"application/(.*\+)?json")
+
+
+def notebook_output(kind: str, content: dict[str, Any]) -> dict[str, Any] | None:
+    """The nbformat v4 output of an ``execute_result``, ``display_data`` or ``error``
+    message, or None when its content does not fit the notebook schema.
+
+    The checks are the schema's for these outputs, written out: validating each output with
+    ``nbformat`` (``output_from_msg``) would import nbformat and jsonschema on every
+    executor's path, which costs a second where JupyterLab is installed (issue 36).
+    """
+    if kind == "error":
+        ename, evalue = content.get("ename"), content.get("evalue")
+        traceback = content.get("traceback")
+        if not (isinstance(ename, str) and isinstance(evalue, str) and _strings(traceback)):
+            return None
+        return {"output_type": kind, "ename": ename, "evalue": evalue, "traceback": list(traceback)}
+    data, metadata = content.get("data"), content.get("metadata")
+    if not _mimebundle(data) or not isinstance(metadata, dict):
+        return None
+    output: dict[str, Any] = {"output_type": kind, "metadata": dict(metadata), "data": dict(data)}
+    if kind == "execute_result":
+        if "execution_count" not in content:
+            return None
+        count = content["execution_count"]
+        if count is not None and (type(count) is not int or count < 0):
+            return None
+        output["execution_count"] = count
+    return output
+
+
+def _strings(value: Any) -> TypeGuard[list[str]]:
+    return isinstance(value, list) and all(isinstance(item, str) for item in value)
+
+
+def _mimebundle(data: Any) -> TypeGuard[dict[str, Any]]:
+    if not isinstance(data, dict):
+        return False
+    return all(
+        isinstance(mime, str)
+        and (_JSON_MIME.fullmatch(mime) is not None or isinstance(value, str) or _strings(value))
+        for mime, value in data.items()
+    )
+
+
 _MARKER_SLACK = 4_096  # room for the kernel side's own truncation markers
 
 
@@ -118,10 +162,8 @@ class OutputCollector:
         if kind == "stream":
             await self._stream(content.get("name", "stdout"), str(content.get("text", "")))
             return
-        try:
-            msg_dict = {"header": {"msg_type": kind}, "content": content}
-            output = dict(output_from_msg(msg_dict))  # type: ignore[no-untyped-call]
-        except Exception:
+        output = notebook_output(kind, content)
+        if output is None:
             return  # malformed output from the kernel
         if kind == "error":
             size = len(str(content.get("evalue", ""))) + sum(

@@ -16,8 +16,6 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from nbformat import NotebookNode
-
 from kernelexec._aio import finish_shielded
 from kernelexec._codemode._calls import HostCallBounds
 from kernelexec._codemode._exposure import DEFAULT_MODULE, HostFunctions, one_call
@@ -67,6 +65,8 @@ from kernelexec._recording import SessionRecorder
 from kernelexec._tools._tool import Tool
 
 if TYPE_CHECKING:
+    from nbformat import NotebookNode
+
     from kernelexec._branching._family import AsyncSnapshot
     from kernelexec._core._forking import SessionBranches
 

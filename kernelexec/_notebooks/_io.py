@@ -11,13 +11,13 @@ import os
 import re
 import tempfile
 from pathlib import Path
-from typing import Any
-
-import nbformat
-from nbformat import NotebookNode
+from typing import TYPE_CHECKING, Any
 
 from kernelexec._exceptions import NotebookError
 from kernelexec._json import int_text, parse_int
+
+if TYPE_CHECKING:
+    from nbformat import NotebookNode
 
 KEY = "kernelexec"
 """The metadata key (cell and notebook) under which kernelexec keeps what it recorded."""
@@ -87,6 +87,8 @@ def write_atomic(path: Path, text: str) -> None:
 
 def read_notebook(path: str | Path) -> NotebookNode:
     """Read and validate a notebook, raising :class:`NotebookError` with the reason."""
+    import nbformat  # here: importing it (and jsonschema) costs up to a second
+
     try:
         # parse_int: a recorded integer may be longer than this process's digit limit.
         nb = nbformat.read(str(path), as_version=4, parse_int=parse_int)

@@ -29,7 +29,8 @@ moment it takes): never on a host filesystem. A directory on the way that the ke
 cannot pass through (the host's ``/root``, a 0700 parent) gets such a bridge then, as
 :mod:`._mounts` gives one at launch: the kernel reached nothing under it, and still reaches
 only the way to what is lent. The helper ends when the host does (its stdin
-closes). Root only.
+closes), or when the last executor of the host process closes (:func:`hold`, :func:`let_go`).
+Root only.
 """
 
 from __future__ import annotations
@@ -416,6 +417,7 @@ for line in sys.stdin:
 
 _helper: subprocess.Popen[str] | None = None
 _lock = threading.Lock()
+_holders = 0  # the backends of open executors: the helper is theirs while there are any
 
 
 class HelperError(OSError):
@@ -428,7 +430,8 @@ _DEADLINE = 30.0  # seconds a request may take before the helper is replaced
 def request(op: str, **fields: Any) -> None:
     """Ask the helper (started on first use, again if it died) to do ``op`` with ``fields``.
     One request at a time; one that takes longer than 30 s ends the helper (the next starts
-    another), so no kernel's request holds the others up for longer.
+    another), so no kernel's request holds the others up for longer. Asked while no executor
+    holds it (:func:`hold`), the helper ends after answering.
 
     Raises:
         HelperError: it answered with an error, died twice, or took too long.
@@ -463,6 +466,9 @@ def request(op: str, **fields: Any) -> None:
                 if isinstance(exc, HelperError):
                     raise
                 answer = ""
+            if answer and not _holders:  # asked outside any executor (a probe): not kept
+                _stop(helper)
+                _helper = None
             if answer == "ok":
                 return
             if answer:
@@ -470,6 +476,25 @@ def request(op: str, **fields: Any) -> None:
             _stop(helper)  # it died: once more with a new one
             _helper = None
     raise HelperError(errno.EIO, "the namespace helper died")
+
+
+def hold() -> None:
+    """An executor that may ask for the helper opens (a backend's ``hold``)."""
+    global _holders
+    with _lock:
+        _holders += 1
+
+
+def let_go() -> None:
+    """An executor that called :func:`hold` has closed: the last one ends the helper, so a
+    process that closed its executors has nothing of kernelexec's left running (a later
+    executor's request starts a new helper)."""
+    global _helper, _holders
+    with _lock:
+        _holders = max(_holders - 1, 0)
+        if _holders == 0 and _helper is not None:
+            _stop(_helper)
+            _helper = None
 
 
 def _stop(helper: subprocess.Popen[str], *, kill: bool = False) -> None:

@@ -39,7 +39,7 @@ from jupyter_client.manager import AsyncKernelManager
 from kernelexec import _proctitle
 from kernelexec._exceptions import ConfigError, KernelStartError
 from kernelexec._models import Isolation, IsolationLevel
-from kernelexec._sandbox import _cgroups, _disk, _lend, _uids, _users
+from kernelexec._sandbox import _cgroups, _disk, _lend, _nshelper, _uids, _users
 from kernelexec._sandbox._plan import NO_SANDBOX, KernelSetup, SandboxPlan, make_plan
 from kernelexec._tempdirs import make_owned_dir, remove_tree
 from kernelexec.backends import _hostlimits, _wire
@@ -163,6 +163,7 @@ class LocalBackend(KernelBackend):
 
     def hold(self) -> None:
         self.forks.hold()
+        _nshelper.hold()
 
     def reserve(self, kernels: int) -> None:
         total = _hostlimits.reserve(kernels)
@@ -171,6 +172,7 @@ class LocalBackend(KernelBackend):
 
     async def release(self) -> None:
         self.forks.release()
+        await asyncio.to_thread(_nshelper.let_go)
         _remove_left_dirs()
         if self._reserved:
             _hostlimits.unreserve(self._reserved.pop())

@@ -83,19 +83,15 @@ class AgentKernel:
         """Whether the session was made (by this adapter or, when attaching, before it)."""
         return self._session is not None
 
-    def _async_executor(self) -> tuple[AsyncKernelExecutor, asyncio.AbstractEventLoop]:
+    def _async_executor(self) -> tuple[AsyncKernelExecutor, asyncio.AbstractEventLoop | None]:
+        """The async executor and its loop (None: an ``AsyncKernelExecutor`` not started yet,
+        which starts on the loop that first uses it, as in the core API)."""
         if self._closed:
             raise ExecutorClosedError(f"the adapter of agent {self.agent_id!r} was closed")
         ex = self.executor
         if isinstance(ex, KernelExecutor):
             return async_side(ex)  # a closed facade's loop is gone: it fails, never hangs
-        loop = ex.loop
-        if loop is None:
-            raise RuntimeError(
-                "the AsyncKernelExecutor is not started: `async with` it (or await start()) "
-                "before handing it to a framework adapter"
-            )
-        return ex, loop
+        return ex, ex.loop
 
     def session_exists(self) -> bool:
         """Whether the executor holds an open session of this agent (for attaching by id)."""
@@ -115,6 +111,12 @@ class AgentKernel:
             running: asyncio.AbstractEventLoop | None = asyncio.get_running_loop()
         except RuntimeError:
             running = None
+        if loop is None:
+            raise RuntimeError(
+                "a synchronous framework called kernelexec with an AsyncKernelExecutor that no "
+                "event loop has started: it runs on the loop that starts it, and this thread "
+                "runs none; pass a KernelExecutor, or start the executor on a loop first"
+            )
         if running is loop:
             raise RuntimeError(
                 "a synchronous framework called kernelexec from the executor's own event-loop "
@@ -124,9 +126,10 @@ class AgentKernel:
         return call_blocking(loop, self._with_session(op))
 
     async def acall(self, op: SessionOp[T]) -> T:
-        """Await ``op(session)`` from any event loop; cancelling the caller cancels it."""
+        """Await ``op(session)`` from any event loop; cancelling the caller cancels it. An
+        ``AsyncKernelExecutor`` not started yet starts on the caller's loop."""
         _, loop = self._async_executor()
-        if asyncio.get_running_loop() is loop:
+        if loop is None or asyncio.get_running_loop() is loop:
             return await self._with_session(op)
         return await await_on(loop, self._with_session(op))
 

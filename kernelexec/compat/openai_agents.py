@@ -20,8 +20,11 @@ import os
 import signal
 import tempfile
 import threading
+import time
 import uuid
+from collections import deque
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, cast
 
@@ -31,12 +34,22 @@ try:
     from agents.sandbox.errors import (
         ExecTimeoutError,
         ExecTransportError,
+        PtySessionNotFoundError,
         WorkspaceArchiveReadError,
         WorkspaceArchiveWriteError,
         WorkspaceReadNotFoundError,
     )
     from agents.sandbox.manifest import Manifest
     from agents.sandbox.session.base_sandbox_session import BaseSandboxSession
+    from agents.sandbox.session.pty_output import collect_pty_output
+    from agents.sandbox.session.pty_types import (
+        PTY_PROCESSES_MAX,
+        PtyExecUpdate,
+        allocate_pty_process_id,
+        clamp_pty_yield_time_ms,
+        process_id_to_prune_from_meta,
+        resolve_pty_write_yield_time_ms,
+    )
     from agents.sandbox.session.sandbox_client import BaseSandboxClient, BaseSandboxClientOptions
     from agents.sandbox.session.sandbox_session import SandboxSession
     from agents.sandbox.session.sandbox_session_state import SandboxSessionState
@@ -107,8 +120,34 @@ class KernelSandboxSessionState(SandboxSessionState):
     agent_id: str
 
 
+_NO_STDIN = (
+    "this sandbox's commands read no input (their stdin is at end of file): pass the input in "
+    "the command itself (a pipe, a here-document or a file)"
+)
+
+
+@dataclass
+class _Process:
+    """A command ``exec_command`` left running: its background command and how much of its
+    output the model has seen."""
+
+    command: BackgroundCommand
+    last_used: float = field(default_factory=time.monotonic)
+    seen_out: int = 0
+    seen_err: int = 0
+    chunks: deque[bytes] = field(default_factory=deque)
+    chunks_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    notify: asyncio.Event = field(default_factory=asyncio.Event)
+    reading: asyncio.Lock = field(default_factory=asyncio.Lock)
+
+
 class KernelSandboxSession(BaseSandboxSession):
-    """One sandbox session on one kernelexec session (made by :class:`KernelSandboxClient`)."""
+    """One sandbox session on one kernelexec session (made by :class:`KernelSandboxClient`).
+
+    ``exec_command`` runs as a background command of the session: one that outlives its
+    ``yield_time_ms`` goes on running and the model gets its session id, to read more of its
+    output with ``write_stdin`` (with empty ``chars``: the commands read no input).
+    """
 
     state: KernelSandboxSessionState
 
@@ -122,6 +161,7 @@ class KernelSandboxSession(BaseSandboxSession):
         self.state = state
         self.kernel = kernel
         self.max_archive_bytes = max_archive_bytes
+        self._processes: dict[int, _Process] = {}
 
     @property
     def agent_id(self) -> str:
@@ -152,6 +192,119 @@ class KernelSandboxSession(BaseSandboxSession):
         if timed_out:
             raise ExecTimeoutError(command=command, timeout_s=timeout)
         return ExecResult(stdout=out, stderr=err, exit_code=code)
+
+    def supports_pty(self) -> bool:
+        """Yes: long commands go on in the background (see the class docstring)."""
+        return True
+
+    async def pty_exec_start(
+        self,
+        *command: str | Path,
+        timeout: float | None = None,
+        shell: bool | list[str] = True,
+        user: str | User | None = None,
+        tty: bool = False,
+        yield_time_s: float | None = None,
+        max_output_tokens: int | None = None,
+    ) -> PtyExecUpdate:
+        """Start a command in the background; its output (and exit code) when it ends within
+        ``yield_time_s``, else its output so far and a process id for :meth:`pty_write_stdin`.
+        ``timeout`` is not applied, as in the SDK's own local sandbox; ``tty`` gives no
+        terminal (the output comes through pipes)."""
+        argv = self._prepare_exec_command(*command, shell=shell, user=user)
+        try:
+            started = await self.kernel.acall(lambda s: s.commands.start(argv))
+        except KernelExecError as exc:
+            raise ExecTransportError(command=command, cause=exc) from exc
+        process = _Process(started)
+        process_id = allocate_pty_process_id(set(self._processes))
+        self._processes[process_id] = process
+        await self._prune_processes()
+        yield_ms = 10_000 if yield_time_s is None else int(yield_time_s * 1000)
+        return await self._collect(
+            process_id, process, clamp_pty_yield_time_ms(yield_ms), max_output_tokens
+        )
+
+    async def pty_write_stdin(
+        self,
+        *,
+        session_id: int,
+        chars: str,
+        yield_time_s: float | None = None,
+        max_output_tokens: int | None = None,
+    ) -> PtyExecUpdate:
+        """More output of a command :meth:`pty_exec_start` left running (``chars`` must be
+        empty: the commands read no input)."""
+        process = self._processes.get(session_id)
+        if process is None:
+            raise PtySessionNotFoundError(session_id=session_id)
+        if chars:
+            raise RuntimeError(_NO_STDIN)
+        yield_ms = 250 if yield_time_s is None else int(yield_time_s * 1000)
+        yield_ms = resolve_pty_write_yield_time_ms(yield_time_ms=yield_ms, input_empty=True)
+        return await self._collect(session_id, process, yield_ms, max_output_tokens)
+
+    async def pty_terminate_all(self) -> None:
+        """Kill every command still running in the background (their process groups)."""
+        processes, self._processes = list(self._processes.values()), {}
+        for process in processes:
+            await self._kill(process)
+
+    async def _kill(self, process: _Process) -> None:
+        with contextlib.suppress(KernelExecError):  # gone with its session or kernel
+            await self.kernel.acall(lambda _: process.command.kill(signal.SIGKILL))
+
+    async def _prune_processes(self) -> None:
+        if len(self._processes) <= PTY_PROCESSES_MAX:
+            return
+        meta = [(pid, p.last_used, not p.command.running) for pid, p in self._processes.items()]
+        victim = process_id_to_prune_from_meta(meta)
+        if victim is not None:
+            await self._kill(self._processes.pop(victim))
+
+    async def _collect(
+        self, process_id: int, process: _Process, yield_ms: int, max_output_tokens: int | None
+    ) -> PtyExecUpdate:
+        command = process.command
+
+        async def poll_output(deadline: float) -> None:
+            wait = min(max(deadline - time.monotonic(), 0.0), 0.25)
+            try:
+                await self.kernel.acall(lambda _: command.poll(wait))
+            except KernelExecError as exc:
+                self._processes.pop(process_id, None)
+                raise ExecTransportError(command=(str(process_id),), cause=exc) from exc
+            out, err = command.stdout, command.stderr
+            fresh = out[process.seen_out :] + err[process.seen_err :]
+            process.seen_out, process.seen_err = len(out), len(err)
+            if fresh:
+                process.chunks.append(fresh)
+                process.notify.set()
+
+        async def wait_for_output(remaining_s: float) -> None:
+            return None  # each poll already waits in the kernel
+
+        async with process.reading:  # two readers of one process would each miss output
+            output, tokens, closed = await collect_pty_output(
+                output_chunks=process.chunks,
+                output_lock=process.chunks_lock,
+                output_notify=process.notify,
+                is_done=lambda: not command.running,
+                yield_time_ms=yield_ms,
+                max_output_tokens=max_output_tokens,
+                poll_output=poll_output,
+                wait_for_output=wait_for_output,
+            )
+        process.last_used = time.monotonic()
+        if closed:
+            self._processes.pop(process_id, None)
+            code = command.exit_code if command.exit_code is not None else -1
+            return PtyExecUpdate(
+                process_id=None, output=output, exit_code=code, original_token_count=tokens
+            )
+        return PtyExecUpdate(
+            process_id=process_id, output=output, exit_code=None, original_token_count=tokens
+        )
 
     async def read(self, path: Path, *, user: str | User | None = None) -> io.IOBase:
         """A file's content (the kernel has one user: ``user`` is not switched to)."""

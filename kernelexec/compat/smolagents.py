@@ -35,6 +35,11 @@ __all__ = ["KernelPythonExecutor"]
 
 _IMAGE_TYPES = ("image/png", "image/jpeg")
 
+_OPTIONAL_IMPORTS = ("numpy", "PIL")
+"""Modules the code smolagents sends with its tools imports at its top, though the functions
+using them import them only where installed (its final answer's serialiser): numpy is no
+dependency of smolagents, and a kernel without it failed to define the tools."""
+
 
 class KernelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
     """A smolagents executor whose Python state lives in a kernelexec session.
@@ -68,6 +73,7 @@ class KernelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
         self._timeout = timeout
         self._setup: list[str] = []  # code that defined the tools and variables, in order
         self._recording = False  # inside send_tools / send_variables
+        self._sending_tools = False
         self.installed_packages = self.install_packages(additional_imports)
 
     @property
@@ -81,12 +87,13 @@ class KernelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
         return list(additional_imports)
 
     def send_tools(self, tools: dict[str, Any]) -> None:
-        """Define the tools in the kernel (again after every kernel replacement)."""
-        self._recording = True
+        """Define the tools in the kernel (again after every kernel replacement). numpy and
+        Pillow are used where the kernel's environment has them, and not needed."""
+        self._recording = self._sending_tools = True
         try:
             super().send_tools(tools)
         finally:
-            self._recording = False
+            self._recording = self._sending_tools = False
 
     def send_variables(self, variables: dict[str, Any]) -> None:
         """Set variables in the kernel (again after every kernel replacement)."""
@@ -102,6 +109,8 @@ class KernelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
         Raises:
             AgentError: the code raised (the traceback is the message) or could not run.
         """
+        if self._sending_tools:
+            code = _tolerant_imports(code)
         result = self._kernel.run_code(code, timeout=self._timeout)
         if result.kernel_restarted and self._setup and not self._recording:
             # The kernel was replaced (a death, a stuck run, a limit, an eviction): the tools
@@ -132,6 +141,17 @@ class KernelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
     def delete(self) -> None:
         """smolagents' name for :meth:`cleanup`."""
         self.cleanup()
+
+
+def _tolerant_imports(code: str) -> str:
+    """``code`` with its top-level imports of :data:`_OPTIONAL_IMPORTS` skipped where the
+    module is missing."""
+    lines = []
+    for line in code.split("\n"):
+        if line.startswith("import ") and line[len("import ") :].strip() in _OPTIONAL_IMPORTS:
+            line = f"try:\n    {line.strip()}\nexcept ImportError:\n    pass"
+        lines.append(line)
+    return "\n".join(lines)
 
 
 def _output(result: Execution) -> Any:

@@ -157,3 +157,33 @@ def test_killpg_of_its_own_group() -> None:
         assert result.error is not None and result.error.kind == "kernel_died"
         assert "SIGKILL" in result.error.evalue
         assert s.run_code("'back'").result == "'back'"
+
+
+def _helpers() -> set[int]:
+    """This process's namespace helpers (``kernelexec._sandbox._nshelper``, running as root)."""
+    return {c.pid for c in psutil.Process().children() if c.name() == "kx-ns-helper"}
+
+
+def test_nothing_is_left_running_once_the_last_executor_closed() -> None:
+    """A process whose executors all closed has no child of kernelexec's left (the namespace
+    helper outlived them: issue 36); a later executor starts its own."""
+    from kernelexec._sandbox import _disk
+
+    if _disk.support() is not None:
+        pytest.skip(f"no capped working directories, so no namespace helper: {_disk.support()}")
+    before = {c.pid for c in psutil.Process().children()}
+    with kx.KernelExecutor(isolation="process") as ex:
+        assert ex.session("a").run_code("6 * 7").result == "42"
+        first = _helpers()
+        assert len(first) == 1  # the capped working directory was shown to the kernel
+        with kx.KernelExecutor(isolation="process") as other:
+            assert other.session("b").run_code("1").result == "1"
+        assert _helpers() == first  # still held by the first executor
+    assert gone(list(first)) == []
+    assert not _helpers()
+    assert {c.pid for c in psutil.Process().children()} - before == set()
+    with kx.KernelExecutor(isolation="process") as ex:
+        assert ex.session("c").run_code("2").result == "2"
+        second = _helpers()
+        assert len(second) == 1 and second != first
+    assert not _helpers()

@@ -66,6 +66,10 @@ def test_replay_runs_no_program_the_notebook_names_and_builds_only_when_asked(
     assert not marker.exists()
     report = json.loads(built.stdout)
     assert report["cells_run"] == 1
+    # Said in one line, not silently (issue 36): the recorded interpreter was not used.
+    (note,) = report["notes"]
+    assert f"python {str(fake)!r} not used" in note
+    assert f"kernelexec: {note}\n" in built.stderr
     out = "+[stdout] "
     diff = report["differences"][0]["diff"].splitlines()
     seen = json.loads(next(line[len(out) :] for line in diff if line.startswith(out + "{")))
