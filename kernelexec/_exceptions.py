@@ -170,7 +170,7 @@ class TreeLimitError(KernelExecError, OSError):
         where: The tree (or file) it was met in.
     """
 
-    def __init__(self, bound: str, limit: int, where: str) -> None:
+    def __init__(self, bound: str, limit: int = 0, where: str = "a tenant's tree") -> None:
         super().__init__(f"{where}: passes the host's bound on {bound} ({limit})")
         self.bound = bound
         self.limit = limit
