@@ -517,21 +517,28 @@ def test_importing_backends_does_not_import_websockets() -> None:
 async def test_a_start_cancelled_mid_request_leaves_no_kernel_on_the_gateway(
     gateway: Gateway,
 ) -> None:
-    # The gateway answers POST /api/kernels once the kernel is up: while its kernel process
-    # exists and the gateway does not list it yet, the request is in flight.
+    # A relay holds the gateway's answer to POST /api/kernels: the kernel is up on the gateway
+    # and the start request is still in flight for the client, for as long as the test needs.
     assert gateway.proc is not None
     server = psutil.Process(gateway.proc.pid)
     before = {p.pid for p in server.children(recursive=True)}
-    async with kx.AsyncKernelExecutor(backend=backend(gateway), default_timeout=30) as ex:
-        call = asyncio.create_task(ex.run_code("1", agent_id="cancelled"))
-        started: list[psutil.Process] = []
-        while not started:
+    proxy = TcpProxy(gateway.port)
+    proxy.hold_kernel_starts = True
+    try:
+        be = GatewayBackend(proxy.url, token=gateway.token)
+        async with kx.AsyncKernelExecutor(backend=be, default_timeout=30) as ex:
+            call = asyncio.create_task(ex.run_code("1", agent_id="cancelled"))
+            answered = await asyncio.to_thread(proxy.start_answered.wait, 60)
+            assert answered, "the gateway did not answer the kernel start in 60 s"
+            assert not call.done()  # the start request is in flight
             started = [p for p in server.children(recursive=True) if p.pid not in before]
-            await asyncio.sleep(0.01)  # polling the gateway's process table, not a duration
-        assert not call.done()  # the start request is in flight
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
+            assert started
+            call.cancel()
+            proxy.release_kernel_starts()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+    finally:
+        proxy.close()
     # The kernel the gateway started for the cancelled request is deleted, so it exits.
     _, alive = await asyncio.to_thread(psutil.wait_procs, started, 60)
     assert alive == [] and gateway.kernels() == []
