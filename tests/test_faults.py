@@ -244,20 +244,25 @@ async def test_calls_on_one_session_run_in_submission_order() -> None:
 
 @pytest.mark.anyio
 async def test_sessions_run_in_parallel(tmp_path: object) -> None:
-    # A waits for a file that only B creates: serialised sessions would deadlock into A's timeout.
+    # A rendezvous: each session says it is here, then waits for the other. Sessions run one
+    # after the other, in either order, deadlock into the first one's timeout.
     # Two kernels sharing a host file is what tenants must not do: both run as the host's user.
-    flag = os.path.join(str(tmp_path), "flag")
+    here = {name: os.path.join(str(tmp_path), name) for name in ("a", "b")}
+
+    def meet(me: str, other: str) -> str:
+        return (
+            f"import os, time\nopen({here[me]!r}, 'w').close()\n"
+            f"while not os.path.exists({here[other]!r}): time.sleep(0.01)\n'met'"
+        )
+
     async with kx.AsyncKernelExecutor(isolation="none") as ex:
         a, b = await ex.session("par-a"), await ex.session("par-b")
         await asyncio.gather(a.run_code("1"), b.run_code("1"))
-        wait = a.run_code(
-            f"import os, time\nwhile not os.path.exists({flag!r}): time.sleep(0.01)\n'seen'",
-            timeout=20,
+        ra, rb = await asyncio.gather(
+            a.run_code(meet("a", "b"), timeout=60), b.run_code(meet("b", "a"), timeout=60)
         )
-        make = b.run_code(f"import time; time.sleep(0.2); open({flag!r}, 'w').close()")
-        ra, rb = await asyncio.gather(wait, make)
-        assert rb.ok
-        assert ra.ok and ra.result == "'seen'"
+        assert (ra.ok, ra.result) == (True, "'met'"), ra.error
+        assert (rb.ok, rb.result) == (True, "'met'"), rb.error
 
 
 @pytest.mark.anyio

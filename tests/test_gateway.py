@@ -108,6 +108,8 @@ def test_tool_arguments_and_results_are_byte_exact(gateway: Gateway, offer_v1: b
         result = ex.call_tool(ident, {"value": value})
         assert result.func_return == value
         assert type(result.func_return["big"]) is int
+        # An argument that escaped into code would run in the kernel: look at its /tmp.
+        assert ex.run_code("import os; os.path.exists('/tmp/pwned')").result == "False"
     assert not Path("/tmp/pwned").exists()
 
 
