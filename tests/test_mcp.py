@@ -304,13 +304,14 @@ async def stdio_session(
     params = StdioServerParameters(
         command=sys.executable, args=["-m", "kernelexec", "mcp", *args], env=server_env(tmp)
     )
+    before = server_children()  # another test's server may still be ending
     with errlog.open("w") as err:
         async with (
             stdio_client(params, errlog=err) as (read, write),
             ClientSession(read, write) as session,
         ):
             await session.initialize()
-            (pid,) = server_children()
+            (pid,) = server_children() - before
             yield session, pid
 
 
