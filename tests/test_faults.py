@@ -37,6 +37,24 @@ def test_interruptible_timeout_keeps_state(executor: kx.KernelExecutor) -> None:
 
     result, _ = after_output(attempt, lambda r: r.stdout != "")
     assert result.stdout == "started\n"
+    with pytest.raises(kx.ExecutionTimeout) as raised:
+        result.raise_for_error()
+    assert isinstance(raised.value, TimeoutError) and raised.value.execution is result
+    assert str(raised.value) == f"timeout: TimeoutError: {result.error.evalue}"
+
+
+def test_raise_for_error_raises_the_runs_error_on_demand(executor: kx.KernelExecutor) -> None:
+    s = executor.session("raise-for-error")
+    ok = s.run_code("6 * 7")
+    ok.raise_for_error()  # a success raises nothing
+    failed = s.run_code("raise ValueError('bad input: 7')")
+    assert failed.status == "error"
+    with pytest.raises(kx.ExecutionError) as raised:
+        failed.raise_for_error()
+    assert type(raised.value) is kx.ExecutionError  # not a timeout
+    assert not isinstance(raised.value, TimeoutError)
+    assert raised.value.execution is failed
+    assert str(raised.value) == "exception: ValueError: bad input: 7"
 
 
 def test_code_ignoring_interrupt_is_restarted_and_names_lost_state() -> None:
