@@ -20,6 +20,7 @@ import pytest
 import kernelexec as kx
 from kernelexec._sandbox._users import is_root
 from kernelexec.compat import letta
+from kernelexec.compat._letta_config import read_sandbox_config
 from kernelexec.compat.letta import AsyncToolSandboxKernel, ToolExecutionResult
 from tests import letta_tools as tools
 from tests.conftest import kernel_children
@@ -88,6 +89,42 @@ DEFAULT_PRINT = letta_fingerprint(
         "pip_requirements": [],
     },
 )
+
+
+# What Letta itself computes: ``SandboxConfig(type=LOCAL, organization_id=..., config=...)
+# .fingerprint()`` in a venv of letta==0.11.7 (uv, --exclude-newer 2025-09-05), on 2026-12-05;
+# the second config is ``LocalSandboxConfig(...).model_dump(exclude_none=True)`` there.
+LETTA_PRINTS = [
+    (
+        "org-1",
+        {
+            "sandbox_dir": "/srv/agents/tools",
+            "use_venv": False,
+            "venv_name": "venv",
+            "pip_requirements": [],
+        },
+        "18212736147508100954062029718740307472325353736112026547164628004760121380739",
+    ),
+    (
+        None,
+        {
+            "sandbox_dir": "/srv/agents/tools",
+            "use_venv": True,
+            "venv_name": "venv",
+            "pip_requirements": [{"name": "numpy", "version": "2.0.0"}, {"name": "kxtqdm"}],
+        },
+        "115579338148932311964781696374452986939544694193267008496593228884103372034989",
+    ),
+]
+
+
+@pytest.mark.parametrize(("org", "config", "printed"), LETTA_PRINTS)
+def test_fingerprints_are_the_ones_letta_computes(
+    org: str | None, config: dict[str, Any], printed: str
+) -> None:
+    sandbox_config = SandboxConfig(organization_id=org, config=config)
+    assert read_sandbox_config(sandbox_config, USER).fingerprint == printed
+    assert letta_fingerprint("local", org, config) == printed  # the other tests' helper
 
 
 @pytest.mark.parametrize("fn", [tools.add, tools.async_add])
