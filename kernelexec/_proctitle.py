@@ -42,11 +42,17 @@ def kx_set_title(title, comm=None):
 
 FORK_SERVER = "kernelexec fork server"
 LAUNCHER = "kernelexec launcher"
+NS_HELPER = "kernelexec ns helper"
 KERNEL = "kernelexec kernel"
 NO_AGENT = "(pool)"
 """Shown in place of an agent id until a session takes the kernel."""
 
-COMMS = {FORK_SERVER: "kx-forkserver", LAUNCHER: "kx-launcher", KERNEL: "kx-kernel"}
+COMMS = {
+    FORK_SERVER: "kx-forkserver",
+    LAUNCHER: "kx-launcher",
+    KERNEL: "kx-kernel",
+    NS_HELPER: "kx-ns-helper",
+}
 """The short names (15 bytes at most) ``ps -e`` and ``top`` show."""
 
 

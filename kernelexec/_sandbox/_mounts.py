@@ -95,6 +95,12 @@ def bridge(bridges, scratch=None):
                 os.chmod(inner, 0o1777)
                 mount(inner.encode(), place, None, bind, None, "binding scratch over")
         bind_back(kept)
+        # A /proc of its own that shows other users' processes to no one (hidepid, per mount
+        # since Linux 5.8): a kernel, its own user, sees its own processes only, never another
+        # process's command line. Where the host refuses, the host's /proc stays.
+        if libc.mount(b"proc", b"/proc", b"proc", nosuid | nodev | noexec,
+                      b"hidepid=invisible") != 0:
+            libc.mount(b"proc", b"/proc", b"proc", nosuid | nodev | noexec, b"hidepid=2")
     for (top, _), fds in zip(bridges, opened):
         flags = nosuid | nodev | noexec
         mount(b"kernelexec", top, b"tmpfs", flags, b"mode=0755,size=64k,nr_inodes=4096",

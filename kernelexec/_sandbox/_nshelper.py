@@ -45,10 +45,11 @@ import sys
 import threading
 from typing import Any
 
-_SOURCE = r"""
+from kernelexec import _proctitle
+
+_BODY = r"""
 import ctypes, errno, json, os, struct, sys
 libc = ctypes.CDLL(None, use_errno=True)
-libc.prctl(15, b"kx-ns-helper", 0, 0, 0)  # PR_SET_NAME: how ps and tests tell it apart
 # The same numbers on every architecture since Linux 5.2 (5.12 for mount_setattr).
 OPEN_TREE, MOVE_MOUNT, FSOPEN, FSCONFIG, FSMOUNT, FSPICK, MOUNT_SETATTR = (
     428, 429, 430, 431, 432, 433, 442)
@@ -414,6 +415,12 @@ for line in sys.stdin:
         sys.stdout.write("error " + str(exc).replace("\n", " ") + "\n")
     sys.stdout.flush()
 """
+# Named in ps like every process kernelexec starts (its command line would be this source).
+_SOURCE = (
+    _proctitle.SOURCE
+    + f"kx_set_title({_proctitle.NS_HELPER!r}, {_proctitle.COMMS[_proctitle.NS_HELPER]!r})\n"
+    + _BODY
+)
 
 _helper: subprocess.Popen[str] | None = None
 _lock = threading.Lock()

@@ -460,8 +460,12 @@ def make_plan(
             bounds["filesystem"] += "; the host's /tmp, /var/tmp and /dev/shm (shared)"
         bounds["network"] = "the host's (no network namespace at this level; abstract unix "
         bounds["network"] += "sockets are shared with every process of the host)"
-        bounds["processes"] = "the host's /proc" + (
-            "; other users' /proc/<pid>/environ unreadable" if own_user else ""
+        bounds["processes"] = (
+            "a /proc of its own showing only its user's processes (hidepid=invisible; the "
+            "host's /proc where the host refuses it)"
+            if scratch_mb
+            else "the host's /proc"
+            + ("; other users' /proc/<pid>/environ unreadable" if own_user else "")
         )
         if scratch_mb:
             bounds["processes"] += "; own IPC namespace (SysV objects end with the kernel)"

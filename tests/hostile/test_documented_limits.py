@@ -87,4 +87,9 @@ def test_at_none_the_hosts_environment_is_readable_through_the_parent() -> None:
 
 @needs_root
 def test_at_process_the_parents_environment_is_not_readable() -> None:
-    assert _parent_environ_from("process") in ("'PermissionError'", "'no JPY_PARENT_PID'")
+    # Hidden altogether where the kernel's /proc hides other users' processes (a root host).
+    assert _parent_environ_from("process") in (
+        "'PermissionError'",
+        "'FileNotFoundError'",
+        "'no JPY_PARENT_PID'",
+    )
