@@ -117,6 +117,10 @@ class HostThreads:
             self._pool.shutdown(wait=False, cancel_futures=True)
 
 
+_ENVELOPE = 1 << 16
+"""Bytes of a host call's message beside its arguments (id, names, JSON)."""
+
+
 class HostCalls:
     """One run's host calls.
 
@@ -158,6 +162,8 @@ class HostCalls:
         self._slots = asyncio.Semaphore(_MAX_RUNNING)
         self._ended = False
         self.calls: list[HostCall] = []
+        # JSON text inside JSON: escaping can double what the kernel side measured.
+        conn.limit_messages(HOST_CALL, 2 * bounds.call_bytes + _ENVELOPE)
 
     def take(self, msg: KernelMessage) -> bool:
         """Handle ``msg`` if it is a host call of this run; True when it was one."""
@@ -183,6 +189,14 @@ class HostCalls:
             self._answer_now(call_id, label, "refused", message, kind="limit", keep=keep)
             return True
         self._seen.add(call_id)
+        if "oversized" in content:  # refused unread by the connection (limit_messages)
+            message = (
+                f"the host call {label[0]}.{label[1]}() is {content['oversized']} bytes as sent; "
+                f"a host call takes at most {self._bounds.call_bytes} of arguments "
+                "(max_host_call_bytes)"
+            )
+            self._answer_now(call_id, label, "refused", message, kind="limit")
+            return True
         function = None
         if isinstance(module, str) and isinstance(name, str):
             function = (self._exposed.get(module) or {}).get(name)

@@ -122,6 +122,16 @@ class KernelConnection(abc.ABC):
     """Set like :attr:`serves_calls`: whether the helper answers kernelexec's fence request
     (sent after each run's request; the run ends on its answer)."""
 
+    def limit_messages(self, msg_type: str, max_bytes: int) -> None:
+        """From now on, hand on a message of ``msg_type`` from the kernel whose content and
+        buffers pass ``max_bytes`` as a stub, never checked or parsed whole: its content is
+        ``{"oversized": <bytes>}`` and the ``id``, ``module`` and ``name`` strings found in
+        its first kilobyte. Called by code mode before a run whose kernel code may call the
+        host, so that a tenant's oversized calls cost the host no parsing. The default does
+        nothing (a transport that decodes whole messages first gains nothing from it).
+        """
+        return None
+
     @abc.abstractmethod
     async def send(
         self,

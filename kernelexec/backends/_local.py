@@ -527,6 +527,9 @@ class LocalConnection(KernelConnection):
     ) -> str:
         return await self._wire.send(channel, msg_type, content, metadata=metadata, buffers=buffers)
 
+    def limit_messages(self, msg_type: str, max_bytes: int) -> None:
+        self._wire.limit(msg_type, max_bytes)
+
     async def receive(self, timeout: float) -> KernelMessage | KernelDied | None:
         return await self._wire.receive(timeout, self._died, self._check_process)
 

@@ -13,6 +13,7 @@ import asyncio
 import hmac
 import json
 import logging
+import re
 import time
 from collections import deque
 from collections.abc import Callable
@@ -88,6 +89,13 @@ class KernelWire:
         self._drain: list[tuple[str, zmq.Socket[bytes]]] = []
         self._senders: dict[str, zmq.Socket[bytes]] = {}
         self._seen: dict[bytes, None] = {}  # recent signatures: replayed messages are dropped
+        self._limits: dict[str, int] = {}  # msg_type -> most bytes read whole (limit())
+
+    def limit(self, msg_type: str, max_bytes: int) -> None:
+        """From now on a message of ``msg_type`` whose content and buffers pass ``max_bytes``
+        is never checked or parsed whole: it is handed on as a stub (see
+        :meth:`KernelConnection.limit_messages`)."""
+        self._limits[msg_type] = max_bytes
 
     def open(self, km: AsyncKernelManager) -> None:
         """Connect to the kernel ``km`` started (on the running event loop)."""
@@ -248,6 +256,10 @@ class KernelWire:
         session = self._kc.session
         try:
             _, parts = session.feed_identities(frames, copy=True)
+            if self._limits:
+                stub = _oversized(channel, parts, self._limits)
+                if stub is not None:
+                    return stub
             signature = parts[0]
             if not signature or signature in self._seen:
                 return self._drop("an unsigned or replayed message")
@@ -276,6 +288,41 @@ class KernelWire:
         if self.dropped == 1 or self.dropped % 1000 == 0:
             log.warning("dropped %s from a kernel (%d dropped so far)", what, self.dropped)
         return None
+
+
+_HEADER_MAX = 1 << 16
+_FIELD = re.compile(rb'"(id|module|name)":\s*"([A-Za-z0-9_.\-]{1,100})"')
+
+
+def _oversized(channel: str, parts: list[bytes], limits: dict[str, int]) -> KernelMessage | None:
+    """A stub for a message of a limited type past its limit (``oversized``: its size, and the
+    ``id``, ``module`` and ``name`` found in its first kilobyte), or None for any other. Only
+    the small header frame is parsed: the rest is never checked or decoded (an oversized
+    message is refused, so its signature does not matter)."""
+    if len(parts) < 5 or len(parts[1]) > _HEADER_MAX:
+        return None
+    size = sum(len(part) for part in parts[4:])
+    if size <= min(limits.values()):
+        return None
+    try:
+        header = json.loads(parts[1])
+        msg_type = str(header["msg_type"])
+        parent = json.loads(parts[2]) if len(parts[2]) <= _HEADER_MAX else {}
+    except (ValueError, KeyError, TypeError):
+        return None
+    limit = limits.get(msg_type)
+    if limit is None or size <= limit:
+        return None
+    content: dict[str, Any] = {"oversized": size}
+    for key, value in _FIELD.findall(bytes(parts[4][:1024])):
+        content.setdefault(key.decode(), value.decode())
+    return KernelMessage(
+        channel=channel,  # type: ignore[arg-type]
+        msg_type=msg_type,
+        parent_id=parent.get("msg_id") if isinstance(parent, dict) else None,
+        content=content,
+        buffers=(),
+    )
 
 
 def _wake(waiter: asyncio.Future[None]) -> None:
