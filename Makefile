@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test check docs dist ci bench soak bwrap clean browser suites letta-suite
+.PHONY: demo test check docs dist ci bench bench-neighbours soak bwrap clean browser suites letta-suite
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -64,6 +64,10 @@ ci: check docs dist test
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/bench.py
+
+# A hostile tenant's attacks against another session's warm calls (issue 35; root).
+bench-neighbours: $(STAMP)
+	$(BIN)/python benchmarks/neighbours.py
 
 soak: $(STAMP)
 	$(BIN)/python benchmarks/soak.py
