@@ -312,6 +312,8 @@ class LocalConnection(KernelConnection):
         self._dir = ""
         self._uid: int | None = None
         self._entered: set[str] = set()  # working directories handed to the kernel's user
+        self._restarting = False
+        self._kept_capped: set[str] = set()  # capped across a restart, uncapped at the end
         self._cgroup: _cgroups.KernelCgroup | None = None
         self._km: AsyncKernelManager | None = None
         self._wire = KernelWire()
@@ -607,7 +609,13 @@ class LocalConnection(KernelConnection):
                 await km.interrupt_kernel()
 
     async def restart(self) -> None:
-        await self.shutdown()
+        # The capped directories stay mounted for the next kernel (it enters them at once):
+        # copying a tree to the disk and back costs seconds per ten thousand entries.
+        self._restarting = True
+        try:
+            await self.shutdown()
+        finally:
+            self._restarting = False
         await self.launch()
 
     async def shutdown(self) -> None:
@@ -656,9 +664,15 @@ class LocalConnection(KernelConnection):
         owned, self._owns_uid = self._owns_uid, False
         entered, self._entered = self._entered, set()
         if uid is not None:
+            if self._restarting:
+                self._kept_capped |= entered
+            else:
+                entered |= self._kept_capped
+                self._kept_capped = set()
             for path in entered:
                 try:
-                    await asyncio.to_thread(_disk.uncap, path)
+                    if not self._restarting:
+                        await asyncio.to_thread(_disk.uncap, path)
                 except Exception as exc:
                     log.warning("copying %s back to the disk failed: %r", path, exc)
                 try:
