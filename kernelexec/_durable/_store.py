@@ -56,6 +56,9 @@ class Manifest:
     unsaved: dict[str, str] = field(default_factory=dict)
     environ: dict[str, str] = field(default_factory=dict)
     files: dict[str, Any] | None = None
+    unfinished: bool = False
+    """A marker written before the session's first checkpoint (no records): found on resume,
+    the host ended before it could save; ``unsaved`` holds the names the session had."""
 
     @property
     def names(self) -> list[str]:
@@ -192,6 +195,14 @@ class StateStore:
         self._collect(where)
         return moved
 
+    def mark(self, manifest: Manifest) -> None:
+        """Make ``manifest`` (a marker, no records) the agent's only manifest."""
+        where = self.agent_dir(manifest.agent_id, manifest.env)
+        where.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(where / PREVIOUS)
+        write_atomic(where / MANIFEST, encode_manifest(manifest))
+
     def invalidate(self, agent_id: str, env: str) -> None:
         """Forget the agent's checkpoints (a failed save, a kernel lost: never bring back
         stale values)."""
@@ -223,6 +234,8 @@ class StateStore:
             try:
                 manifest = read_manifest(entry / MANIFEST)
             except (OSError, ValueError):
+                continue
+            if manifest.unfinished:
                 continue
             if entry.name != agent_key(manifest.agent_id, manifest.env):
                 continue
