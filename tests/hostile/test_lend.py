@@ -23,6 +23,7 @@ import pytest
 import kernelexec as kx
 from kernelexec._core._session import AsyncSession
 from kernelexec._sandbox import _disk
+from kernelexec._tempdirs import make_owned_dir
 from tests.hostile.conftest import needs_bwrap, needs_root
 
 pytestmark = [
@@ -269,7 +270,7 @@ async def test_the_executors_own_directories_and_the_temp_root_are_never_lent(
     state = tmp_path / "state"
     async with kx.AsyncKernelExecutor(isolation="process", state_dir=state) as ex:
         session = await ex.session("refused")
-        kdir = tempfile.mkdtemp(prefix="kx-")  # named as a kernel's own directory
+        kdir = make_owned_dir("kx-")  # a kernel's own directory: kernelexec's marker in it
         try:
             for path, why in [
                 ("/", "holds"),
@@ -283,7 +284,32 @@ async def test_the_executors_own_directories_and_the_temp_root_are_never_lent(
                 with pytest.raises(kx.ConfigError, match=why):
                     await session.lease.lend(path, mode="own")
         finally:
-            os.rmdir(kdir)
+            shutil.rmtree(kdir)
+
+
+async def test_a_users_directory_named_like_kernelexecs_is_lent(
+    executor: kx.AsyncKernelExecutor,
+) -> None:
+    """Issue 36: any ``kx-*`` directory under the temp dir was refused as kernelexec's; only
+    kernelexec's marker (a plain ``.owner`` file of the directory's owner) makes it so."""
+    work = Path(tempfile.gettempdir(), "kx-work")
+    work.mkdir()
+    try:
+        (work / "data.txt").write_text("mine")
+        session = await executor.session("user-dir")
+        assert await session.lease.lend(work, mode="own") == str(work)
+        assert await run(session, f"open({str(work / 'data.txt')!r}).read()") == "'mine'"
+        # A link planted as the marker, to a real marker, does not make it kernelexec's either.
+        other = Path(tempfile.gettempdir(), "kx-linked")
+        other.mkdir()
+        (other / ".owner").symlink_to(Path(make_owned_dir("kx-")) / ".owner")
+        try:
+            assert await session.lease.lend(other, mode="own") == str(other)
+        finally:
+            shutil.rmtree(Path(os.readlink(other / ".owner")).parent)
+            shutil.rmtree(other)
+    finally:
+        shutil.rmtree(work)
 
 
 async def test_a_directory_lent_while_the_kernel_is_dead_reaches_the_one_replacing_it(
