@@ -287,29 +287,35 @@ async def test_the_executors_own_directories_and_the_temp_root_are_never_lent(
             shutil.rmtree(kdir)
 
 
+@pytest.fixture
+def named_like_ours() -> Iterator[tuple[Path, Path]]:
+    """A user's ``kx-work`` under the temp dir holding a file, and a ``kx-linked`` whose
+    ``.owner`` is a link to the marker of a real kernelexec directory."""
+    work = Path(tempfile.gettempdir(), "kx-work")
+    work.mkdir()
+    (work / "data.txt").write_text("mine")
+    real = Path(make_owned_dir("kx-"))
+    linked = Path(tempfile.gettempdir(), "kx-linked")
+    linked.mkdir()
+    (linked / ".owner").symlink_to(real / ".owner")
+    try:
+        yield work, linked
+    finally:
+        for path in (work, real, linked):
+            shutil.rmtree(path)
+
+
 async def test_a_users_directory_named_like_kernelexecs_is_lent(
-    executor: kx.AsyncKernelExecutor,
+    executor: kx.AsyncKernelExecutor, named_like_ours: tuple[Path, Path]
 ) -> None:
     """Issue 36: any ``kx-*`` directory under the temp dir was refused as kernelexec's; only
     kernelexec's marker (a plain ``.owner`` file of the directory's owner) makes it so."""
-    work = Path(tempfile.gettempdir(), "kx-work")
-    work.mkdir()
-    try:
-        (work / "data.txt").write_text("mine")
-        session = await executor.session("user-dir")
-        assert await session.lease.lend(work, mode="own") == str(work)
-        assert await run(session, f"open({str(work / 'data.txt')!r}).read()") == "'mine'"
-        # A link planted as the marker, to a real marker, does not make it kernelexec's either.
-        other = Path(tempfile.gettempdir(), "kx-linked")
-        other.mkdir()
-        (other / ".owner").symlink_to(Path(make_owned_dir("kx-")) / ".owner")
-        try:
-            assert await session.lease.lend(other, mode="own") == str(other)
-        finally:
-            shutil.rmtree(Path(os.readlink(other / ".owner")).parent)
-            shutil.rmtree(other)
-    finally:
-        shutil.rmtree(work)
+    work, linked = named_like_ours
+    session = await executor.session("user-dir")
+    assert await session.lease.lend(work, mode="own") == str(work)
+    assert await run(session, f"open({str(work / 'data.txt')!r}).read()") == "'mine'"
+    # A link planted as the marker, to a real marker, does not make it kernelexec's either.
+    assert await session.lease.lend(linked, mode="own") == str(linked)
 
 
 async def test_a_directory_lent_while_the_kernel_is_dead_reaches_the_one_replacing_it(
