@@ -160,16 +160,17 @@ class FileTransferError(KernelExecError, RuntimeError):
 
 
 class TreeLimitError(KernelExecError, OSError):
-    """A directory tree a tenant made passes a bound the host keeps when it walks, copies,
-    archives or reads it (depth, entries, bytes): nothing past the bound was read or written.
+    """A tenant's tree or file passes a bound the host keeps when it walks, copies, archives or
+    reads it (depth, entries, data, or the bytes ``files.read`` holds): nothing past the bound
+    was read or written.
 
     Attributes:
-        bound: Which bound (``"depth"``, ``"entries"`` or ``"bytes"``).
+        bound: Which bound (``"depth"``, ``"entries"``, ``"data"`` or ``"bytes"``).
         limit: Its value.
         where: The tree (or file) it was met in.
     """
 
-    def __init__(self, bound: str, limit: int, where: str) -> None:
+    def __init__(self, bound: str, limit: int = 0, where: str = "a tenant's tree") -> None:
         super().__init__(f"{where}: passes the host's bound on {bound} ({limit})")
         self.bound = bound
         self.limit = limit

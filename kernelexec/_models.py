@@ -102,12 +102,13 @@ class Limits(BaseModel):
             which ipykernel needs).
         max_file_mb: Largest file a process may write, in MiB (``RLIMIT_FSIZE``: writing past
             it raises ``OSError`` "File too large"; it bounds one file, not the disk).
-        max_disk_mb: What the kernel may write to each of its writable places, in MiB:
-            its private scratch space (``/tmp``, ``/var/tmp`` and ``/dev/shm``, one
-            size-capped tmpfs at ``"process"`` on a root host, two at ``"bwrap"``) and, on a
-            root host, its own directory (``HOME``) and each session directory it works in
-            (a tmpfs each, copied back to the disk when the kernel ends). Writing past it
-            fails with ``ENOSPC``. Needs a mount namespace
+        max_disk_mb: What the kernel may write in all, in MiB, shared out among its writable
+            places: half for the session directory it works in and a quarter for its own
+            directory (``HOME``), on a root host (a tmpfs each, copied back to the disk when
+            the kernel ends); a quarter for its private scratch space (``/tmp``, ``/var/tmp``
+            and ``/dev/shm``: one size-capped tmpfs at ``"process"`` on a root host, halved
+            between two at ``"bwrap"``). Writing past a place's share fails with
+            ``ENOSPC``. Needs a mount namespace
             (``"bwrap"``, or ``"process"`` on a root host). See ``docs/security.md`` for what
             it does not cover.
     """

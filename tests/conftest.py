@@ -14,6 +14,7 @@ import pytest
 
 import kernelexec as kx
 from tests import procs
+from tests.skips import Guard
 
 _TEMP_ROOT: str | None = None
 
@@ -32,6 +33,30 @@ def pytest_configure(config: pytest.Config) -> None:
 def pytest_unconfigure(config: pytest.Config) -> None:
     if _TEMP_ROOT is not None:
         shutil.rmtree(_TEMP_ROOT, ignore_errors=True)
+
+
+_SKIPS = Guard()
+"""The run's skips (``tests/skips.py``): counted and checked where the run is reported, on the
+xdist controller (an xdist worker has ``workerinput``)."""
+
+
+def pytest_collectreport(report: pytest.CollectReport) -> None:
+    _SKIPS.note(report)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    _SKIPS.note(report)
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if not hasattr(session.config, "workerinput"):
+        _SKIPS.finish(session)
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not hasattr(terminalreporter.config, "workerinput"):
+        _SKIPS.report(terminalreporter)
 
 
 def kernel_children() -> set[int]:

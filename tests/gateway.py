@@ -199,6 +199,12 @@ class TcpProxy:
         self.drop_websockets = False
         """When True, a connection whose first bytes ask for a websocket upgrade is closed
         before anything is answered (REST requests still pass)."""
+        self.hold_kernel_starts = False
+        """When True, the gateway's answer to ``POST /api/kernels`` is held back from the client
+        (the start stays in flight) until :meth:`release_kernel_starts`."""
+        self.start_answered = threading.Event()
+        """Set when the gateway has answered a held kernel start: its kernel is up."""
+        self._released = threading.Event()
         self._server = socket.create_server(("127.0.0.1", 0))
         self.port = int(self._server.getsockname()[1])
         self._lock = threading.Lock()
@@ -236,13 +242,21 @@ class TcpProxy:
         with self._lock:
             self.accepted += 1
             self._open += [client, upstream]
-        for a, b in ((client, upstream), (upstream, client)):
-            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
+        held = self.hold_kernel_starts and first.startswith(b"POST /api/kernels ")
+        for a, b, hold in ((client, upstream, False), (upstream, client, held)):
+            threading.Thread(target=self._pump, args=(a, b, hold), daemon=True).start()
 
-    @staticmethod
-    def _pump(src: socket.socket, dst: socket.socket) -> None:
+    def release_kernel_starts(self) -> None:
+        """Let the held answers to kernel starts through (and hold no more)."""
+        self.hold_kernel_starts = False
+        self._released.set()
+
+    def _pump(self, src: socket.socket, dst: socket.socket, hold: bool) -> None:
         try:
             while data := src.recv(65536):
+                if hold:
+                    self.start_answered.set()
+                    self._released.wait()
                 dst.sendall(data)
         except OSError:
             pass
@@ -262,4 +276,5 @@ class TcpProxy:
 
     def close(self) -> None:
         self._server.close()
+        self._released.set()
         self.cut()

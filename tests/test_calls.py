@@ -104,6 +104,9 @@ def test_string_args_arrive_byte_exact(executor: kx.KernelExecutor, value: str) 
     assert result.ok, result.error
     assert result.func_return["value"] == value
     assert result.func_return["sha"] == hashlib.sha256(value.encode()).hexdigest()
+    # An argument that escaped into code would run in the kernel, whose /tmp is its own.
+    seen = executor.run_code("import os; os.path.exists('/tmp/pwned')", agent_id="nasty")
+    assert seen.result == "False"
     assert not os.path.exists("/tmp/pwned")
 
 

@@ -5,7 +5,6 @@ offline agent runs with ``GenericFakeChatModel`` on real kernels.
 
 from __future__ import annotations
 
-import os
 import uuid
 from collections.abc import Iterator
 from typing import Any
@@ -16,12 +15,14 @@ pytest.importorskip("deepagents")
 pytest.importorskip("langchain_tests.integration_tests")
 
 from deepagents import create_deep_agent
+from deepagents.backends.protocol import ExecuteResponse
 from langchain_core.language_models.fake_chat_models import GenericFakeChatModel
 from langchain_core.messages import AIMessage, ToolMessage
 from langchain_tests.integration_tests import SandboxIntegrationTests
 
 import kernelexec as kx
 from kernelexec.compat.deepagents import KernelSandbox
+from tests.deadlines import after_output
 
 RUN = uuid.uuid4().hex[:12]
 
@@ -30,15 +31,18 @@ RUN = uuid.uuid4().hex[:12]
 # langchain-tests 1.1.9, is older than deepagents 0.7.32: glob now returns absolute paths where
 # these expect paths relative to the search root, and write() now overwrites an existing file
 # (documented as "creating it or overwriting it") where test_write_existing_file_fails expects
-# an error. KERNELEXEC_RUN_SKEW=1 runs them.
+# an error. They run as strict xfails: a change upstream or in the adapter that makes one pass
+# fails the run, so the list is mended rather than left to hide a case.
+GLOB_SKEW = "deepagents' glob returns absolute paths; this suite expects them relative to the root"
+WRITE_SKEW = "deepagents' write() overwrites an existing file; this suite expects an error"
 SKEW = {
-    "test_glob",
-    "test_glob_basic_pattern",
-    "test_glob_with_directories",
-    "test_glob_hidden_files_explicitly",
-    "test_glob_with_character_class",
-    "test_glob_with_question_mark",
-    "test_write_existing_file_fails",
+    "test_glob": GLOB_SKEW,
+    "test_glob_basic_pattern": GLOB_SKEW,
+    "test_glob_with_directories": GLOB_SKEW,
+    "test_glob_hidden_files_explicitly": GLOB_SKEW,
+    "test_glob_with_character_class": GLOB_SKEW,
+    "test_glob_with_question_mark": GLOB_SKEW,
+    "test_write_existing_file_fails": WRITE_SKEW,
 }
 
 
@@ -73,8 +77,11 @@ class TestKernelSandboxStandard(SandboxIntegrationTests):  # type: ignore[misc]
 
     @pytest.fixture(autouse=True)
     def _skew(self, request: pytest.FixtureRequest) -> None:
-        if request.node.name in SKEW and not os.environ.get("KERNELEXEC_RUN_SKEW"):
-            pytest.skip("fails for a host-subprocess BaseSandbox too (suite older than deepagents)")
+        reason = SKEW.get(request.node.name)
+        if reason is not None:
+            request.applymarker(
+                pytest.mark.xfail(strict=True, raises=AssertionError, reason=reason)
+            )
 
 
 class ToolModel(GenericFakeChatModel):  # type: ignore[misc]
@@ -149,8 +156,14 @@ def test_timeouts_outputs_and_paths_outside_the_working_dir(executor: kx.KernelE
     sandbox = KernelSandbox(executor=executor)
     outside = f"/tmp/kernelexec-deepagents-{uuid.uuid4().hex[:8]}"
     try:
-        slow = sandbox.execute("echo started; sleep 60", timeout=1)
-        assert slow.exit_code == 124 and slow.output.startswith("started\n")
+
+        def attempt(timeout: float) -> ExecuteResponse:
+            slow = sandbox.execute("echo started; sleep 60", timeout=int(timeout))
+            assert slow.exit_code == 124
+            return slow
+
+        slow, _ = after_output(attempt, lambda r: r.output.startswith("started"))
+        assert slow.output.startswith("started\n")
         mixed = sandbox.execute("echo out; echo err >&2; echo out2")
         assert (mixed.output, mixed.exit_code) == ("out\nerr\nout2\n", 0)
         up = sandbox.upload_files([(f"{outside}/d/f.bin", bytes(range(256)))])

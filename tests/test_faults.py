@@ -15,6 +15,7 @@ import pytest
 import kernelexec as kx
 from kernelexec._tempdirs import OWNER_FILE, _start_time, sweep_stale
 from tests.conftest import wait_exited
+from tests.deadlines import after_output
 
 # 5. timeouts -------------------------------------------------------------------------------
 
@@ -22,15 +23,38 @@ from tests.conftest import wait_exited
 def test_interruptible_timeout_keeps_state(executor: kx.KernelExecutor) -> None:
     s = executor.session("timeout-soft")
     s.run_code("kept = [1, 2, 3]")
-    result = s.run_code("import time\nprint('started')\ntime.sleep(60)", timeout=1.0)
-    assert result.error is not None
-    assert result.error.kind == "timeout"
-    assert "state kept" in result.error.evalue
-    assert result.kernel_restarted is False
+
+    def attempt(timeout: float) -> kx.Execution:
+        result = s.run_code("import time\nprint('started')\ntime.sleep(60)", timeout=timeout)
+        assert result.error is not None
+        assert result.error.kind == "timeout"
+        assert result.error.ename == "TimeoutError"
+        want = f"timed out after {timeout:g} s; interrupted, kernel state kept"
+        assert result.error.evalue == want
+        assert result.kernel_restarted is False
+        assert s.run_code("kept").result == "[1, 2, 3]"
+        return result
+
+    result, _ = after_output(attempt, lambda r: r.stdout != "")
     assert result.stdout == "started\n"
-    assert result.error.ename == "TimeoutError"
-    assert result.error.evalue == "timed out after 1 s; interrupted, kernel state kept"
-    assert s.run_code("kept").result == "[1, 2, 3]"
+    with pytest.raises(kx.ExecutionTimeout) as raised:
+        result.raise_for_error()
+    assert isinstance(raised.value, TimeoutError) and raised.value.execution is result
+    assert str(raised.value) == f"timeout: TimeoutError: {result.error.evalue}"
+
+
+def test_raise_for_error_raises_the_runs_error_on_demand(executor: kx.KernelExecutor) -> None:
+    s = executor.session("raise-for-error")
+    ok = s.run_code("6 * 7")
+    ok.raise_for_error()  # a success raises nothing
+    failed = s.run_code("raise ValueError('bad input: 7')")
+    assert failed.status == "error"
+    with pytest.raises(kx.ExecutionError) as raised:
+        failed.raise_for_error()
+    assert type(raised.value) is kx.ExecutionError  # not a timeout
+    assert not isinstance(raised.value, TimeoutError)
+    assert raised.value.execution is failed
+    assert str(raised.value) == "exception: ValueError: bad input: 7"
 
 
 def test_code_ignoring_interrupt_is_restarted_and_names_lost_state() -> None:
@@ -238,20 +262,25 @@ async def test_calls_on_one_session_run_in_submission_order() -> None:
 
 @pytest.mark.anyio
 async def test_sessions_run_in_parallel(tmp_path: object) -> None:
-    # A waits for a file that only B creates: serialised sessions would deadlock into A's timeout.
+    # A rendezvous: each session says it is here, then waits for the other. Sessions run one
+    # after the other, in either order, deadlock into the first one's timeout.
     # Two kernels sharing a host file is what tenants must not do: both run as the host's user.
-    flag = os.path.join(str(tmp_path), "flag")
+    here = {name: os.path.join(str(tmp_path), name) for name in ("a", "b")}
+
+    def meet(me: str, other: str) -> str:
+        return (
+            f"import os, time\nopen({here[me]!r}, 'w').close()\n"
+            f"while not os.path.exists({here[other]!r}): time.sleep(0.01)\n'met'"
+        )
+
     async with kx.AsyncKernelExecutor(isolation="none") as ex:
         a, b = await ex.session("par-a"), await ex.session("par-b")
         await asyncio.gather(a.run_code("1"), b.run_code("1"))
-        wait = a.run_code(
-            f"import os, time\nwhile not os.path.exists({flag!r}): time.sleep(0.01)\n'seen'",
-            timeout=20,
+        ra, rb = await asyncio.gather(
+            a.run_code(meet("a", "b"), timeout=60), b.run_code(meet("b", "a"), timeout=60)
         )
-        make = b.run_code(f"import time; time.sleep(0.2); open({flag!r}, 'w').close()")
-        ra, rb = await asyncio.gather(wait, make)
-        assert rb.ok
-        assert ra.ok and ra.result == "'seen'"
+        assert (ra.ok, ra.result) == (True, "'met'"), ra.error
+        assert (rb.ok, rb.result) == (True, "'met'"), rb.error
 
 
 @pytest.mark.anyio

@@ -225,6 +225,24 @@ def test_failing_setup_code_is_a_clear_error_on_the_next_call() -> None:
         assert s.run_code("'ran'").result == "'ran'"
 
 
+@pytest.mark.parametrize(
+    ("setup", "what"),
+    [("import time; time.sleep(60)", "timed out"), ("import os; os._exit(3)", "killed its kernel")],
+)
+def test_setup_code_that_never_finishes_is_a_setup_code_error(setup: str, what: str) -> None:
+    with kx.KernelExecutor(isolation="none") as ex:
+        s = ex.session("stuck-setup", setup_code=setup)
+        result = s.run_code("print('never')", timeout=2)
+        assert result.error is not None and result.error.kind == "setup_failed"
+        assert result.error.ename == "SetupCodeError"
+        assert result.error.evalue == f"the session's setup_code {what}; the call did not run"
+        assert result.stdout == ""
+        with pytest.raises(kx.ExecutionError, match="setup_failed: SetupCodeError: "):
+            result.raise_for_error()
+    assert issubclass(kx.SetupCodeError, kx.KernelExecError)
+    assert issubclass(kx.SetupCodeError, RuntimeError)
+
+
 # -- the kernel's PATH ---------------------------------------------------------------------
 
 

@@ -22,6 +22,7 @@ import pytest
 import kernelexec as kx
 from kernelexec.backends import GatewayBackend, get_backend
 from kernelexec.backends._gateway_wire import decode, encode, new_message
+from tests.deadlines import after_output
 from tests.gateway import SECRET, Gateway, TcpProxy, free_port
 
 pytest.importorskip("kernel_gateway", reason="jupyter-kernel-gateway is not installed")
@@ -107,6 +108,8 @@ def test_tool_arguments_and_results_are_byte_exact(gateway: Gateway, offer_v1: b
         result = ex.call_tool(ident, {"value": value})
         assert result.func_return == value
         assert type(result.func_return["big"]) is int
+        # An argument that escaped into code would run in the kernel: look at its /tmp.
+        assert ex.run_code("import os; os.path.exists('/tmp/pwned')").result == "False"
     assert not Path("/tmp/pwned").exists()
 
 
@@ -114,17 +117,22 @@ def test_timeout_interrupts_and_keeps_state(gateway: Gateway) -> None:
     with kx.KernelExecutor(backend=backend(gateway), default_timeout=30) as ex:
         s = ex.session()
         s.run_code("x = 'kept'")
-        started = threading.Event()
-        r = s.run_code(
-            "print('sleeping', flush=True)\nimport time\ntime.sleep(60)",
-            timeout=2,
-            on_stdout=lambda _: started.set(),
-        )
-        assert started.is_set()
-        assert r.error is not None and r.error.kind == "timeout"
-        assert "state kept" in r.error.evalue
-        assert not r.kernel_restarted
-        assert s.run_code("x").result == "'kept'"
+
+        def attempt(timeout: float) -> tuple[kx.Execution, bool]:
+            started = threading.Event()
+            r = s.run_code(
+                "print('sleeping', flush=True)\nimport time\ntime.sleep(60)",
+                timeout=timeout,
+                on_stdout=lambda _: started.set(),
+            )
+            assert r.error is not None and r.error.kind == "timeout"
+            assert "state kept" in r.error.evalue
+            assert not r.kernel_restarted
+            assert s.run_code("x").result == "'kept'"
+            return r, started.is_set()
+
+        (r, _), _ = after_output(attempt, lambda attempted: attempted[1], (2.0, 10.0, 30.0))
+        assert r.stdout == "sleeping\n"
 
 
 @pytest.mark.slow
@@ -511,21 +519,28 @@ def test_importing_backends_does_not_import_websockets() -> None:
 async def test_a_start_cancelled_mid_request_leaves_no_kernel_on_the_gateway(
     gateway: Gateway,
 ) -> None:
-    # The gateway answers POST /api/kernels once the kernel is up: while its kernel process
-    # exists and the gateway does not list it yet, the request is in flight.
+    # A relay holds the gateway's answer to POST /api/kernels: the kernel is up on the gateway
+    # and the start request is still in flight for the client, for as long as the test needs.
     assert gateway.proc is not None
     server = psutil.Process(gateway.proc.pid)
     before = {p.pid for p in server.children(recursive=True)}
-    async with kx.AsyncKernelExecutor(backend=backend(gateway), default_timeout=30) as ex:
-        call = asyncio.create_task(ex.run_code("1", agent_id="cancelled"))
-        started: list[psutil.Process] = []
-        while not started:
+    proxy = TcpProxy(gateway.port)
+    proxy.hold_kernel_starts = True
+    try:
+        be = GatewayBackend(proxy.url, token=gateway.token)
+        async with kx.AsyncKernelExecutor(backend=be, default_timeout=30) as ex:
+            call = asyncio.create_task(ex.run_code("1", agent_id="cancelled"))
+            answered = await asyncio.to_thread(proxy.start_answered.wait, 60)
+            assert answered, "the gateway did not answer the kernel start in 60 s"
+            assert not call.done()  # the start request is in flight
             started = [p for p in server.children(recursive=True) if p.pid not in before]
-            await asyncio.sleep(0.01)  # polling the gateway's process table, not a duration
-        assert not call.done()  # the start request is in flight
-        call.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await call
+            assert started
+            call.cancel()
+            proxy.release_kernel_starts()
+            with pytest.raises(asyncio.CancelledError):
+                await call
+    finally:
+        proxy.close()
     # The kernel the gateway started for the cancelled request is deleted, so it exits.
     _, alive = await asyncio.to_thread(psutil.wait_procs, started, 60)
     assert alive == [] and gateway.kernels() == []

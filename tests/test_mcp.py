@@ -22,6 +22,7 @@ import sys
 import tempfile
 import textwrap
 import threading
+import time
 import zlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
@@ -212,8 +213,11 @@ def http_server(
 
 
 @contextlib.contextmanager
-def running_http_server(server_tmp: Path, *args: str) -> Iterator[Server]:
-    """``kernelexec mcp --transport http --port 0 ARGS``, stopped (and checked) at the end."""
+def running_http_server(
+    server_tmp: Path, *args: str, announce_timeout: float = 60
+) -> Iterator[Server]:
+    """``kernelexec mcp --transport http --port 0 ARGS``, stopped at the end whatever happened
+    (checked when the test passed); ``announce_timeout``: seconds to wait for its URL."""
     token = "test-token-" + "x" * 20
     proc = subprocess.Popen(
         [sys.executable, "-m", "kernelexec", "mcp", "--transport", "http", "--port", "0", *args],
@@ -223,7 +227,7 @@ def running_http_server(server_tmp: Path, *args: str) -> Iterator[Server]:
         stderr=subprocess.PIPE,
         text=True,
     )
-    lines: queue.Queue[str] = queue.Queue()
+    lines: queue.Queue[str | None] = queue.Queue()
     log: list[str] = []
 
     def drain() -> None:
@@ -231,28 +235,54 @@ def running_http_server(server_tmp: Path, *args: str) -> Iterator[Server]:
         for line in proc.stderr:
             log.append(line)
             lines.put(line)
+        lines.put(None)  # the server closed its stderr: it has exited
 
     reader = threading.Thread(target=drain, daemon=True)
     reader.start()
-    url = None
-    while url is None:
-        line = lines.get(timeout=60)
-        found = re.search(r"at (http://\S+/mcp)", line)
-        url = found.group(1) if found else None
     try:
+        url = _announced_url(lines, log, announce_timeout)
         yield Server(proc, url, token, log)
-    finally:
         kernels = kernels_of(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=30)
+    finally:
+        stopped = _stop(proc)
         reader.join(timeout=10)
         assert proc.stdout is not None and proc.stderr is not None
         written = proc.stdout.read()
         proc.stdout.close()
         proc.stderr.close()
-        assert written == "", "the HTTP server wrote to stdout"
-        assert any("executor closed" in line for line in log), "".join(log)
-        assert not wait_exited(kernels), "kernels outlived the HTTP server"
+    assert stopped, "the HTTP server did not exit within 30 s of SIGTERM (killed)"
+    assert written == "", "the HTTP server wrote to stdout"
+    assert any("executor closed" in line for line in log), "".join(log)
+    assert not wait_exited(kernels), "kernels outlived the HTTP server"
+
+
+def _announced_url(lines: queue.Queue[str | None], log: list[str], timeout: float = 60) -> str:
+    """The URL the server says it listens at, once it has said so."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            line = lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            message = f"no URL from the HTTP server in {timeout:g} s:\n{''.join(log)}"
+            raise AssertionError(message) from None
+        if line is None:
+            raise AssertionError(f"the HTTP server exited before it listened:\n{''.join(log)}")
+        found = re.search(r"at (http://\S+/mcp)", line)
+        if found:
+            return found.group(1)
+
+
+def _stop(proc: subprocess.Popen[str]) -> bool:
+    """SIGTERM the server and wait; SIGKILL it if it does not exit in 30 s (its kernels and
+    namespace helper die with it). True when it exited on SIGTERM."""
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+        return True
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=30)
+        return False
 
 
 @asynccontextmanager
@@ -274,13 +304,14 @@ async def stdio_session(
     params = StdioServerParameters(
         command=sys.executable, args=["-m", "kernelexec", "mcp", *args], env=server_env(tmp)
     )
+    before = server_children()  # another test's server may still be ending
     with errlog.open("w") as err:
         async with (
             stdio_client(params, errlog=err) as (read, write),
             ClientSession(read, write) as session,
         ):
             await session.initialize()
-            (pid,) = server_children()
+            (pid,) = server_children() - before
             yield session, pid
 
 
@@ -684,3 +715,15 @@ async def test_an_executor_that_cannot_start_is_said_on_every_call(
             assert "could not start its kernels" in text_of(result)
             assert str(blocked) in text_of(result)
     assert "could not be started" in log.read_text()
+
+
+def test_the_http_server_is_stopped_when_its_start_is_not_seen_in_time(server_tmp: Path) -> None:
+    # A loaded machine may take longer than the wait for the server's URL: the server it
+    # started must not be left running when that wait fails.
+    before = server_children()
+    with (
+        pytest.raises(AssertionError, match=r"no URL from the HTTP server in 0\.001 s"),
+        running_http_server(server_tmp, announce_timeout=0.001),
+    ):
+        pass
+    assert server_children() - before == set()

@@ -10,6 +10,8 @@ this does not.
 from __future__ import annotations
 
 import asyncio
+import errno
+import os
 import time
 
 from kernelexec._aio import finish_then_cancel
@@ -93,7 +95,9 @@ async def wait_ready(conn: KernelConnection, deadline: float) -> None:
     while not (replied and published):
         now = time.monotonic()
         if now > deadline:
-            raise KernelStartError(f"kernel did not become ready in time{conn.diagnostics()}")
+            raise KernelStartError(
+                f"kernel did not become ready in time{_out_of_descriptors()}{conn.diagnostics()}"
+            )
         asked.add(await conn.send("shell", "kernel_info_request", {}))
         until = min(deadline, now + _RESEND)
         while not (replied and published):
@@ -110,3 +114,14 @@ async def wait_ready(conn: KernelConnection, deadline: float) -> None:
                 continue
             replied |= msg.channel == "shell" and msg.msg_type == "kernel_info_reply"
             published |= msg.channel == "iopub"
+
+
+def _out_of_descriptors() -> str:
+    """Why the kernel may not have answered when this process has no descriptor left: zmq
+    then retries its connections in silence, and the start can only time out."""
+    try:
+        os.close(os.open(os.devnull, os.O_RDONLY))
+    except OSError as exc:
+        if exc.errno == errno.EMFILE:
+            return f" (this process is out of file descriptors: {exc.strerror})"
+    return ""

@@ -82,7 +82,9 @@ async def main():
             await s.run_code("1")
             print("started", i, flush=True)
         except kx.KernelStartError as exc:
-            print("failed", i, type(exc).__name__, flush=True)
+            # Only a start that says it ran out counts: a loaded host times starts out too.
+            why = "descriptors" if "Too many open files" in str(exc) else "other"
+            print("failed", i, why, repr(str(exc)[:300]), flush=True)
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
     print("first", (await first.run_code("x")).result, flush=True)
     await ex.aclose()
@@ -96,6 +98,6 @@ asyncio.run(main())
 @pytest.mark.parametrize("spare", [4, 14])
 def test_starts_that_run_out_of_descriptors_leave_close_working(spare: int, tmp_path: Path) -> None:
     out = run(_STARVED, tmp_path, str(spare))
-    assert out.count("failed") >= 1, out  # at least one start really ran out
+    assert out.count("descriptors") >= 1, out  # at least one start really ran out
     assert "first 1" in out and out.rstrip().endswith("closed"), out
     assert_nothing_left(tmp_path)

@@ -4,11 +4,14 @@ parent; after a restart, a shutdown or the host's death, none of them is alive."
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
 import tempfile
 import textwrap
+import uuid
+from collections.abc import Callable
 
 import psutil
 import pytest
@@ -20,26 +23,34 @@ from tests.hostile.conftest import gone, needs_bwrap
 
 SPAWN = (
     "import os, subprocess, time\n"
-    "daemon = subprocess.Popen(['sleep', '607'], start_new_session=True).pid\n"
+    "daemon = subprocess.Popen(['sleep', {daemon!r}], start_new_session=True).pid\n"
     "r, w = os.pipe()\n"
     "if os.fork() == 0:\n"
     "    os.setsid()\n"
     "    if os.fork() == 0:\n"
     "        os.write(w, str(os.getpid()).encode())\n"
-    "        os.execvp('sleep', ['sleep', '608'])\n"
+    "        os.execvp('sleep', ['sleep', {double!r}])\n"
     "    os._exit(0)\n"
     "double = int(os.read(r, 20))\n"
     "(os.getpid(), daemon, double)"
 )
 
 
-def _pgrep(pattern: str) -> list[int]:
+def _marked(seconds: int) -> str:
+    """A ``sleep`` argument of ``seconds`` that no other process on the machine has: another
+    test (this one on a second xdist worker, at another isolation level) runs the same code."""
+    return f"{seconds}.{uuid.uuid4().int % 10**12:012d}"
+
+
+def _pgrep(*args: str) -> list[int]:
+    """Pids of the machine's ``sleep`` processes whose arguments are exactly ``args``."""
+    pattern = "^sleep (" + "|".join(re.escape(a) for a in args) + ")$"
     out = subprocess.run(["pgrep", "-f", pattern], capture_output=True, text=True).stdout
     return [int(p) for p in out.split()]
 
 
-def _spawn(session: kx.Session) -> list[int]:
-    result = session.run_code(SPAWN)
+def _spawn(session: kx.Session, daemon: str, double: str) -> list[int]:
+    result = session.run_code(SPAWN.format(daemon=daemon, double=double))
     assert result.ok, result.error
     return list(eval(result.result or "()"))
 
@@ -48,15 +59,19 @@ def _spawn(session: kx.Session) -> list[int]:
 def test_descendants_are_gone_after_restart_and_shutdown(level: str) -> None:
     with kx.KernelExecutor(isolation=level) as ex:
         s = ex.session("reap")
-        first = _spawn(s)
+        marks = [_marked(607), _marked(608)]
+        first = _spawn(s, *marks)
         if level == "bwrap":  # pids of another namespace: find them by what they run
-            first = []
+            first = _pgrep(*marks)
+            assert len(first) == 2
         s.restart()
         assert gone(first) == []
-        second = _spawn(s)
+        assert _pgrep(*marks) == []
+        marks = [_marked(607), _marked(608)]
+        second = _spawn(s, *marks)
         if level == "bwrap":
             second = []
-        left = _pgrep("^sleep 60[78]$")
+        left = _pgrep(*marks)
         assert len(left) == 2  # the second pair, alive until shutdown
     assert gone(second + left) == []
 
@@ -64,12 +79,13 @@ def test_descendants_are_gone_after_restart_and_shutdown(level: str) -> None:
 @pytest.mark.slow
 @pytest.mark.parametrize("level", ["process", pytest.param("bwrap", marks=needs_bwrap)])
 def test_descendants_die_with_a_sigkilled_host(level: str) -> None:
+    mark = _marked(601)
     host = textwrap.dedent(
         f"""
         import sys, kernelexec as kx
         ex = kx.KernelExecutor(isolation={level!r})
         out = ex.session('h').run_code(
-            "import subprocess; subprocess.Popen(['sleep', '601'], start_new_session=True).pid"
+            "import subprocess; subprocess.Popen(['sleep', {mark!r}], start_new_session=True).pid"
         )
         print(out.result, flush=True)
         sys.stdin.read()
@@ -89,7 +105,7 @@ def test_descendants_die_with_a_sigkilled_host(level: str) -> None:
     # The host's one namespace helper (kernelexec._sandbox._nshelper: capped and lent directories)
     helpers = [c.pid for c in children if c.name() == "kx-ns-helper"]
     launchers = [c.pid for c in children if c.pid not in helpers]
-    daemons = _pgrep("^sleep 601$")
+    daemons = _pgrep(mark)
     assert len(launchers) == 1 and len(daemons) == 1
     groups = _host_groups(proc.pid)
     assert groups or _cgroups.support().kill is None
@@ -114,19 +130,38 @@ def _host_groups(pid: int) -> list[str]:
     return [str(p) for base in bases for p in base.glob(f"kx-{pid}-*")]
 
 
+def _go_on(pid: int) -> Callable[[str], None]:
+    """An ``on_stdout`` hook that sends the kernel ``pid`` SIGUSR1 once: the host has seen its
+    output, so the request is known to have started (a kernel that dies before it shows any
+    sign of the request gets the request again on a fresh kernel)."""
+    sent: list[bool] = []
+
+    def hook(_: str) -> None:
+        if not sent:
+            sent.append(True)
+            os.kill(pid, signal.SIGUSR1)
+
+    return hook
+
+
+def _on_go(action: str) -> str:
+    """Kernel code that prints, then runs ``action`` once the host says it saw the output."""
+    return (
+        "import os, signal, time\n"
+        f"signal.signal(signal.SIGUSR1, lambda *_: {action})\n"
+        "print('bye', flush=True)\n"
+        "time.sleep(30)"
+    )
+
+
 def test_killing_the_parent_kills_only_that_kernel() -> None:
     with kx.KernelExecutor() as ex:
         s, other = ex.session("parent"), ex.session("bystander")
         other.run_code("kept = 1")
         s.run_code("before = 1")
         pid = int(s.run_code("import os; os.getpid()").result or 0)
-        # Output first, so the host knows the code started (a kernel that dies before it shows
-        # any sign of the request gets the request again on a fresh kernel).
-        code = (
-            "import os, signal, time\nprint('bye', flush=True)\ntime.sleep(0.5)\n"
-            "os.kill(os.getppid(), signal.SIGKILL)\ntime.sleep(30)"
-        )
-        kill_launcher = None
+        code = _on_go("os.kill(os.getppid(), signal.SIGKILL)")
+        hook = _go_on(pid)
         if s.isolation.boundaries["user"].startswith("its own"):
             # As its own user (a root host) the kernel may not signal its launcher at all.
             denied = s.run_code("import os, signal\nos.kill(os.getppid(), signal.SIGKILL)")
@@ -136,10 +171,10 @@ def test_killing_the_parent_kills_only_that_kernel() -> None:
             launcher = psutil.Process(pid).ppid()
             code = "import time\nprint('bye', flush=True)\ntime.sleep(30)"
 
-            def kill_launcher(_: str) -> None:
+            def hook(_: str) -> None:
                 os.kill(launcher, signal.SIGKILL)
 
-        result = s.run_code(code, on_stdout=kill_launcher)
+        result = s.run_code(code, on_stdout=hook)
         assert result.error is not None and result.error.kind == "kernel_died"
         assert "SIGKILL" in result.error.evalue
         assert gone([pid]) == []
@@ -150,10 +185,8 @@ def test_killing_the_parent_kills_only_that_kernel() -> None:
 def test_killpg_of_its_own_group() -> None:
     with kx.KernelExecutor() as ex:
         s = ex.session("killpg")
-        result = s.run_code(
-            "import os, signal, time\nprint('bye', flush=True)\ntime.sleep(0.5)\n"
-            "os.killpg(0, signal.SIGKILL)"
-        )
+        pid = int(s.run_code("import os; os.getpid()").result or 0)
+        result = s.run_code(_on_go("os.killpg(0, signal.SIGKILL)"), on_stdout=_go_on(pid))
         assert result.error is not None and result.error.kind == "kernel_died"
         assert "SIGKILL" in result.error.evalue
         assert s.run_code("'back'").result == "'back'"

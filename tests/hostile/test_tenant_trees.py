@@ -263,12 +263,17 @@ _FORGE = (
 )
 
 
+@pytest.mark.parametrize("level", LEVELS)
 @pytest.mark.parametrize("size", [-1, -(2 << 30), 2 << 30, "'2147483648'"])
 def test_a_forged_record_size_never_makes_the_host_write_past_the_bound(
-    tmp_path: Path, size: int | str
+    tmp_path: Path, size: int | str, level: str
 ) -> None:
     state = tmp_path / "state"
-    with kx.KernelExecutor(state_dir=state, max_checkpoint_bytes=64 << 20) as ex:
+    with kx.KernelExecutor(
+        state_dir=state,
+        max_checkpoint_bytes=64 << 20,
+        isolation=level,  # type: ignore[arg-type]
+    ) as ex:
         s = ex.session("forger")
         s.run_code("x = 1").raise_for_error()
         s.hibernate()  # installs the kernel side of durable state
@@ -284,8 +289,9 @@ def test_a_forged_record_size_never_makes_the_host_write_past_the_bound(
         assert s.run_code("print(x)").stdout == "1\n"
 
 
-def test_a_name_that_is_not_utf8_is_listed_and_the_kernel_kept() -> None:
-    with kx.KernelExecutor() as ex:
+@pytest.mark.parametrize("level", LEVELS)
+def test_a_name_that_is_not_utf8_is_listed_and_the_kernel_kept(level: str) -> None:
+    with kx.KernelExecutor(isolation=level) as ex:  # type: ignore[arg-type]
         s = ex.session("names")
         s.run_code("open(b'bad\\xff.txt', 'w').write('x')\nkept = 41").raise_for_error()
         entries = s.files.list()
@@ -293,8 +299,9 @@ def test_a_name_that_is_not_utf8_is_listed_and_the_kernel_kept() -> None:
         assert s.run_code("print(kept)").stdout == "41\n"  # the same kernel answered
 
 
-def test_reading_a_sparse_file_whole_is_bounded() -> None:
-    with kx.KernelExecutor() as ex:
+@pytest.mark.parametrize("level", LEVELS)
+def test_reading_a_sparse_file_whole_is_bounded(level: str) -> None:
+    with kx.KernelExecutor(isolation=level) as ex:  # type: ignore[arg-type]
         s = ex.session("reader")
         s.run_code("f = open('big', 'wb')\nf.truncate(1 << 30)\nf.close()").raise_for_error()
         before = _peak_mb()
