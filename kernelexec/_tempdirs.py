@@ -124,9 +124,9 @@ def owner_of(path: str) -> tuple[int, str] | None:
     made it; else None.
 
     kernelexec's own is a directory (not a link) of the host's user, or for a root host of a
-    kernel's user, holding an ``.owner`` that is a plain file with one link, of the same user
-    as the directory, naming a process. Nothing is followed: a planted link, a file of another
-    user or a name alone never makes a directory kernelexec's.
+    kernel's user, holding an ``.owner`` that is a plain file with one link, of the host's user
+    (who wrote it) or the directory's, naming a process. Nothing is followed: a planted link,
+    a file of another user or a name alone never makes a directory kernelexec's.
     """
     try:
         dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
@@ -142,7 +142,7 @@ def owner_of(path: str) -> tuple[int, str] | None:
             marker = os.fstat(fd)
             if not stat.S_ISREG(marker.st_mode) or marker.st_nlink != 1:
                 return None
-            if marker.st_uid != st.st_uid:
+            if marker.st_uid not in (host, st.st_uid):
                 return None
             parts = os.read(fd, 256).decode("ascii").split()
         finally:

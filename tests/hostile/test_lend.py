@@ -309,7 +309,7 @@ async def test_a_users_directory_named_like_kernelexecs_is_lent(
     executor: kx.AsyncKernelExecutor, named_like_ours: tuple[Path, Path]
 ) -> None:
     """Issue 36: any ``kx-*`` directory under the temp dir was refused as kernelexec's; only
-    kernelexec's marker (a plain ``.owner`` file of the directory's owner) makes it so."""
+    kernelexec's marker (a plain ``.owner`` file, not a link) makes it so."""
     work, linked = named_like_ours
     session = await executor.session("user-dir")
     assert await session.lease.lend(work, mode="own") == str(work)
