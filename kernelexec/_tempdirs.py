@@ -4,6 +4,9 @@ A host killed with SIGKILL cannot clean up; its kernels exit on their own (ipyke
 parent) but their directories stay. Every directory kernelexec creates under the temp dir holds
 an ``.owner`` file (pid and process start time); the first executor started in a process removes
 the directories whose owner is gone.
+
+A directory is kernelexec's by that marker, never by its name alone (:func:`owner_of`): a user's
+``/tmp/kx-work`` is the user's, to lend to a kernel, and never swept.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import stat
 import sys
 import tempfile
 from pathlib import Path
@@ -115,30 +119,58 @@ def detach(point: str) -> int:
     return 0 if libc.umount2(point.encode(), 2) == 0 else ctypes.get_errno()
 
 
+def owner_of(path: str) -> tuple[int, str] | None:
+    """The process (pid, start token) that made the directory at ``path``, when kernelexec
+    made it; else None.
+
+    kernelexec's own is a directory (not a link) of the host's user, or for a root host of a
+    kernel's user, holding an ``.owner`` that is a plain file with one link, of the host's user
+    (who wrote it) or the directory's, naming a process. Nothing is followed: a planted link,
+    a file of another user or a name alone never makes a directory kernelexec's.
+    """
+    try:
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(dir_fd)
+        host = os.geteuid()
+        if st.st_uid != host and not (host == 0 and st.st_uid >= KERNEL_UID_BASE):
+            return None
+        fd = os.open(OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK, dir_fd=dir_fd)
+        try:
+            marker = os.fstat(fd)
+            if not stat.S_ISREG(marker.st_mode) or marker.st_nlink != 1:
+                return None
+            if marker.st_uid not in (host, st.st_uid):
+                return None
+            parts = os.read(fd, 256).decode("ascii").split()
+        finally:
+            os.close(fd)
+        return int(parts[0]), (parts[1] if len(parts) > 1 else "")
+    except (OSError, ValueError, IndexError):
+        return None
+    finally:
+        os.close(dir_fd)
+
+
 def sweep_stale(root: str | None = None) -> list[str]:
     """Remove kernelexec directories under ``root`` (default: the temp dir) whose owner process
-    is gone. Directories without an owner file, or of other users, are left alone."""
+    is gone. Only a directory with kernelexec's marker (:func:`owner_of`) is considered; the
+    name prefix only spares reading every other directory's."""
     root = root or tempfile.gettempdir()
     removed: list[str] = []
     try:
         entries = list(os.scandir(root))
     except OSError:
         return removed
-    uid = os.getuid() if hasattr(os, "getuid") else None
     for entry in entries:
         if not entry.name.startswith(PREFIXES):
             continue
-        with contextlib.suppress(OSError, ValueError, IndexError):
-            if not entry.is_dir(follow_symlinks=False):
-                continue
-            owner = entry.stat(follow_symlinks=False).st_uid
-            if uid is not None and owner != uid and not (uid == 0 and owner >= KERNEL_UID_BASE):
-                continue
-            parts = Path(entry.path, OWNER_FILE).read_text().split()
-            pid, start = int(parts[0]), (parts[1] if len(parts) > 1 else "")
-            if not _alive(pid, start):
-                remove_tree(entry.path)
-                removed.append(entry.path)
+        owner = owner_of(entry.path)
+        if owner is not None and not _alive(*owner):
+            remove_tree(entry.path)
+            removed.append(entry.path)
     return removed
 
 

@@ -220,3 +220,26 @@ def test_exec_record_dir_that_is_a_file_exits_2(tmp_path: Path) -> None:
     proc = kernelexec("exec", "1", "--record", str(blocker))
     assert proc.returncode == 2
     assert "record_dir" in proc.stderr
+
+
+def test_every_argument_and_command_has_help_text() -> None:
+    """Issue 36: several arguments showed no help in ``--help`` and the CLI reference."""
+    import argparse
+
+    from kernelexec._cli._main import _parser
+
+    missing: list[str] = []
+
+    def walk(parser: argparse.ArgumentParser, where: str) -> None:
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                helped = {a.dest for a in action._choices_actions if a.help}
+                for name, sub in action.choices.items():
+                    if name not in helped:
+                        missing.append(f"{where} {name}")
+                    walk(sub, f"{where} {name}")
+            elif not action.help and not isinstance(action, argparse._HelpAction):
+                missing.append(f"{where} {'/'.join(action.option_strings) or action.dest}")
+
+    walk(_parser(), "kernelexec")
+    assert missing == []

@@ -187,3 +187,27 @@ def test_an_owned_executor_is_closed_with_the_sandbox() -> None:
     sandbox.close()
     with pytest.raises(kx.ExecutorClosedError):
         ex.session("x").run_code("1")
+
+
+def test_the_model_gets_plain_tracebacks_its_directory_and_what_was_lost(
+    executor: kx.KernelExecutor,
+) -> None:
+    """Issue 36: the error's last line only, with ANSI colours elsewhere; no word of the
+    working directory (the model wrote ``/notes.md`` and was refused); a raw docstring."""
+    sandbox = KernelSandbox(executor=executor)
+    try:
+        tool = sandbox.python_tool()
+        root = sandbox.working_dir()
+        assert tool.description.startswith("Run Python code in a persistent interpreter")
+        assert "\n" not in tool.description and "  " not in tool.description
+        assert f"The working directory is {root}" in tool.description
+        assert f"{root}/notes.md" in sandbox.system_prompt()
+        tool.invoke({"code": "keep = 1"})
+        said = tool.invoke({"code": "def f():\n    return 1 / 0\nf()"})
+        assert "\x1b" not in said
+        assert "----> 3 f()" in said and "----> 2     return 1 / 0" in said
+        assert said.endswith("ZeroDivisionError: division by zero")
+        died = tool.invoke({"code": "import os\nos._exit(3)"})
+        assert died.endswith("(the interpreter was restarted: these variables were lost: keep)")
+    finally:
+        sandbox.close()

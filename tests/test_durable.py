@@ -450,3 +450,93 @@ def test_forks_and_snapshot_restores_of_a_durable_session(tmp_path: Path) -> Non
     with _ex(state) as ex:
         assert ex.run_code("print(x, y)", agent_id="root").stdout == "1 2\n"
         assert ex.run_code("print(x)", agent_id=child_id).stdout == "11\n"
+
+
+def _killed_host(state: Path, body: str, config: str = "") -> list[str]:
+    """Run ``body`` in a host process of its own (``ex`` its executor, given ``config``), then
+    SIGKILL it once it printed ``ready``; sweep what it left. Returns the lines before."""
+    host = (
+        "import sys, kernelexec as kx\n"
+        f"ex = kx.KernelExecutor(state_dir={str(state)!r}, {config})\n"
+        + textwrap.dedent(body)
+        + "print('ready', flush=True)\nsys.stdin.read()\n"
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", host], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None and proc.stdin is not None
+    try:
+        lines: list[str] = []
+        while (line := proc.stdout.readline()) != "ready\n":
+            assert line, f"the host ended first, after {lines}"
+            lines.append(line)
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+        proc.stdin.close()
+    sweep_stale(tempfile.gettempdir())
+    _cgroups.sweep_stale()
+    return [line.strip() for line in lines]
+
+
+def test_a_host_killed_before_the_first_checkpoint_says_what_was_lost(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    _killed_host(
+        state,
+        """
+        s = ex.session("early")
+        s.run_code("a = 1").raise_for_error()
+        s.run_code("b = [a, 2]\\ndef f(): return b").raise_for_error()
+        """,
+    )
+    ended = "the host ended before the session's first checkpoint"
+    # The next host resumes it, is told, and is killed too before a checkpoint.
+    told = _killed_host(
+        state,
+        """
+        s = ex.session("early")
+        back = s.run_code("c = 3\\nprint('a' in globals())")
+        print(back.stdout.strip(), back.lost_variables, back.restored.problems, flush=True)
+        print(back.restored.not_restored["a"], flush=True)
+        """,
+    )
+    assert told == [
+        f"False ['a', 'b', 'f'] [\"{ended}: its state is lost\"]",
+        f"lost: {ended}",
+    ]
+    with _ex(state) as ex:
+        assert StateStore(state).agents() == []  # nothing was ever checkpointed
+        again = ex.run_code("1", agent_id="early")  # what the last host had, not the first
+        assert again.lost_variables == ["c"]
+        assert again.restored is not None and again.restored.names == []
+        assert again.restored.problems == [f"{ended}: its state is lost"]
+        fresh = ex.run_code("print(1)", agent_id="never-seen")
+        assert fresh.restored is None and fresh.lost_variables == []
+
+
+def test_a_host_killed_in_its_first_after_call_checkpointed_call_says_so(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    _killed_host(
+        state,
+        """
+        import threading
+        s = ex.session("busy")
+        started = threading.Event()
+        threading.Thread(
+            target=s.run_code,
+            args=("x = 1\\nprint('in', flush=True)\\nimport time\\ntime.sleep(600)",),
+            kwargs={"on_stdout": lambda text: started.set()},
+            daemon=True,
+        ).start()
+        started.wait()
+        """,
+        config="checkpoint='after_call'",
+    )
+    with _ex(state, checkpoint="after_call") as ex:
+        back = ex.run_code("x", agent_id="busy")
+        assert back.error is not None and back.error.ename == "NameError"
+        assert back.lost_variables == []  # it had none when the call began
+        assert back.restored is not None and back.restored.problems == [
+            "the host ended before the session's first checkpoint: its state is lost"
+        ]

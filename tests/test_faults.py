@@ -319,9 +319,29 @@ def test_stale_dirs_of_dead_owners_are_swept(tmp_path: Path) -> None:
         (tmp_path / name).mkdir()
         if owner is not None:
             (tmp_path / name / OWNER_FILE).write_text(owner)
+    # Named like kernelexec's, with a marker kernelexec did not write (issue 36: swept by name).
+    (tmp_path / "kx-work").mkdir()
+    (tmp_path / "dead-owner").write_text(f"{dead.pid} 1\n")
+    (tmp_path / "kx-work" / OWNER_FILE).symlink_to(tmp_path / "dead-owner")
+    (tmp_path / "kx-linked").mkdir()
+    os.link(tmp_path / "dead-owner", tmp_path / "kx-linked" / OWNER_FILE)  # a second name
+    (tmp_path / "kx-planted").mkdir()
+    (tmp_path / "kx-planted" / OWNER_FILE).write_text(f"{dead.pid} 1\n")
+    if os.geteuid() == 0:  # a marker of another user than the directory's
+        os.chown(tmp_path / "kx-planted" / OWNER_FILE, 12345, 12345)
+    else:
+        (tmp_path / "kx-planted" / OWNER_FILE).chmod(0o000)  # one it cannot read
     removed = sweep_stale(str(tmp_path))
     assert sorted(Path(p).name for p in removed) == ["kernelexec-reused", "kx-dead"]
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["kx-alive", "kx-unowned", "other-dead"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "dead-owner",
+        "kx-alive",
+        "kx-linked",
+        "kx-planted",
+        "kx-unowned",
+        "kx-work",
+        "other-dead",
+    ]
 
 
 @pytest.mark.skipif(

@@ -247,3 +247,34 @@ async def test_an_async_executor_not_started_yet_starts_on_first_use() -> None:
     finally:
         await client.aclose()
         await ex.aclose()
+
+
+async def test_the_python_tool_gives_the_whole_plain_traceback_and_what_was_lost(
+    executor: kx.KernelExecutor,
+) -> None:
+    """Issue 36: the model got the error's last line only (no line number)."""
+    client = KernelSandboxClient(executor=executor)
+    agent = SandboxAgent(
+        name="kx",
+        model=_calls(
+            ("python", {"code": "keep = 1\ndef f():\n    return 1 / 0"}),
+            ("python", {"code": "f()"}),
+            ("python", {"code": "import os\nos._exit(3)"}),
+            "done",
+        ),
+        instructions="test",
+        capabilities=[*Capabilities.default(), KernelPython()],
+    )
+    try:
+        result = await Runner.run(
+            agent, "go", run_config=RunConfig(sandbox=SandboxRunConfig(client=client))
+        )
+        outputs = _outputs(result)
+        assert "\x1b" not in outputs[1]
+        assert "----> 1 f()" in outputs[1] and "----> 3     return 1 / 0" in outputs[1]
+        assert outputs[1].endswith("ZeroDivisionError: division by zero")
+        assert outputs[2].endswith(
+            "(the interpreter was restarted: these variables were lost: f, keep)"
+        )
+    finally:
+        await client.aclose()

@@ -22,6 +22,7 @@ from rich.console import Console  # noqa: E402
 from smolagents import CodeAgent, Tool  # noqa: E402
 from smolagents.models import ChatMessage, MessageRole, Model  # noqa: E402
 from smolagents.monitoring import AgentLogger, LogLevel  # noqa: E402
+from smolagents.utils import AgentError  # noqa: E402
 
 import kernelexec as kx  # noqa: E402
 from kernelexec.compat.smolagents import KernelPythonExecutor  # noqa: E402
@@ -180,3 +181,28 @@ def test_bad_construction_is_refused_clearly() -> None:
         KernelPythonExecutor([], _quiet_logger(), executor=ex, isolation="none")
     with pytest.raises(kx.ConfigError, match="isolaton"):
         KernelPythonExecutor([], _quiet_logger(), isolaton="none")
+
+
+def test_the_model_gets_plain_tracebacks_and_what_a_death_lost() -> None:
+    """Issue 36: ANSI colours went to the model, and after a kernel death it was not told
+    which variables were lost."""
+    executor = KernelPythonExecutor([], _quiet_logger(), isolation="none")
+    try:
+        executor.send_tools({"kernel_pid": KernelPid()})
+        executor("rows = [1, 2]\ndef total():\n    return sum(rows) / 0")
+        with pytest.raises(AgentError) as raised:
+            executor("print('before')\ntotal()")
+        said = str(raised.value)
+        assert "\x1b" not in said
+        assert said.startswith("before\n")
+        assert "----> 3     return sum(rows) / 0" in said
+        assert said.endswith("ZeroDivisionError: division by zero")
+        with pytest.raises(AgentError) as raised:
+            executor("import os\nos._exit(3)")
+        assert str(raised.value).endswith(
+            "(the interpreter was restarted: these variables were lost: rows, total; "
+            "the tools were defined again)"
+        )
+        assert executor("print(kernel_pid())").logs.strip().isdigit()
+    finally:
+        executor.cleanup()

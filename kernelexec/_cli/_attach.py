@@ -37,7 +37,7 @@ def add_parsers(sub: Any) -> None:
         help="with --state-dir: delete that agent's saved state",
     )
     attach = sub.add_parser("attach", help="open a console on a live agent's kernel")
-    attach.add_argument("agent_id", metavar="AGENT_ID")
+    attach.add_argument("agent_id", metavar="AGENT_ID", help="the live session's agent id")
     attach.add_argument(
         "--host-pid", type=int, default=None, help="the executor's process, when several match"
     )

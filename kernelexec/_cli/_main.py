@@ -121,20 +121,20 @@ def _parser() -> argparse.ArgumentParser:
     _executor_options(run)
 
     exe = sub.add_parser("exec", help="run code (an argument, or - for stdin)")
-    exe.add_argument("code")
+    exe.add_argument("code", help="the code to run, or - to read it from stdin")
     _executor_options(exe)
 
     schema = sub.add_parser("schema", help="print a tool's JSON schema")
-    schema.add_argument("file")
-    schema.add_argument("--name", default=None)
+    schema.add_argument("file", help="Python file defining the tool")
+    schema.add_argument("--name", default=None, help="function to describe (default: the only one)")
 
     repl = sub.add_parser("repl", help="an interactive prompt on a persistent kernel")
-    repl.add_argument("--agent", default="default")
+    repl.add_argument("--agent", default="default", help="agent (session) id")
     repl.add_argument("--record", metavar="DIR", default=None, help="record to DIR/AGENT.ipynb")
     _env_options(repl)
 
     replay = sub.add_parser("replay", help="re-run a recorded notebook and report differences")
-    replay.add_argument("notebook")
+    replay.add_argument("notebook", help="the recorded notebook (.ipynb)")
     replay.add_argument(
         "--timeout",
         type=_seconds,
@@ -159,24 +159,37 @@ def _parser() -> argparse.ArgumentParser:
     tools = sub.add_parser("tools", help="tools authored in notebooks")
     tools_sub = tools.add_subparsers(dest="tools_command", required=True)
     export = tools_sub.add_parser("export", help="print the tools of cells tagged `tool` as JSON")
-    export.add_argument("notebook")
+    export.add_argument("notebook", help="the notebook (.ipynb) holding the tool cells")
 
     env = sub.add_parser("env", help="the cached virtual environments")
     env_sub = env.add_subparsers(dest="env_command", required=True)
     env_list = env_sub.add_parser("list", help="list the cached venvs")
-    env_list.add_argument("--cache-dir", default=None)
-    env_list.add_argument("--json", action="store_true")
+    env_list.add_argument("--cache-dir", default=None, help="where venvs are built")
+    env_list.add_argument("--json", action="store_true", help="print the list as JSON only")
     env_prune = env_sub.add_parser("prune", help="remove cached venvs")
-    env_prune.add_argument("--older-than", type=float, default=30.0, metavar="DAYS")
+    env_prune.add_argument(
+        "--older-than",
+        type=float,
+        default=30.0,
+        metavar="DAYS",
+        help="remove venvs unused for DAYS days (default 30)",
+    )
     env_prune.add_argument("--all", action="store_true", help="remove every cached venv")
-    env_prune.add_argument("--cache-dir", default=None)
-    env_prune.add_argument("--json", action="store_true")
+    env_prune.add_argument("--cache-dir", default=None, help="where venvs are built")
+    env_prune.add_argument("--json", action="store_true", help="print what was removed as JSON")
     env_build = env_sub.add_parser("build", help="build (or reuse) the venv for requirements")
-    env_build.add_argument("requirements", nargs="*", metavar="REQ")
-    env_build.add_argument("--python", default=None)
-    env_build.add_argument("--installer", choices=["auto", "uv", "pip"], default="auto")
-    env_build.add_argument("--cache-dir", default=None)
-    env_build.add_argument("--json", action="store_true")
+    env_build.add_argument(
+        "requirements", nargs="*", metavar="REQ", help="requirements (pip's syntax)"
+    )
+    env_build.add_argument("--python", default=None, help="interpreter the venv is built from")
+    env_build.add_argument(
+        "--installer",
+        choices=["auto", "uv", "pip"],
+        default="auto",
+        help="what installs the requirements (auto: uv where found, else pip)",
+    )
+    env_build.add_argument("--cache-dir", default=None, help="where venvs are built")
+    env_build.add_argument("--json", action="store_true", help="print the venv as JSON only")
 
     mcp = sub.add_parser("mcp", help="serve kernels to MCP clients (stdio or streamable HTTP)")
     mcp.add_argument(
@@ -187,7 +200,12 @@ def _parser() -> argparse.ArgumentParser:
         metavar="FILE.py|NOTEBOOK",
         help="expose a file's public functions, or a notebook's `tool` cells, as MCP tools",
     )
-    mcp.add_argument("--transport", choices=["stdio", "http"], default="stdio")
+    mcp.add_argument(
+        "--transport",
+        choices=["stdio", "http"],
+        default="stdio",
+        help="stdio (one client, the default) or streamable HTTP",
+    )
     mcp.add_argument("--host", default="127.0.0.1", help="HTTP: address to bind")
     mcp.add_argument("--port", type=int, default=8000, help="HTTP: port (0: any free port)")
     mcp.add_argument(

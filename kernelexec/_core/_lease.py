@@ -301,10 +301,14 @@ class KernelLease:
         return saved
 
     async def after_call(self, answer: Any) -> None:
-        """Commit the checkpoint the kernel side made after a call (``after_call``)."""
+        """Commit the checkpoint the kernel side made after a call (``after_call``), or (before
+        the session's first checkpoint) mark on disk the names a killed host loses."""
         keeper = self.keeper
-        if keeper is not None and keeper.checkpoint == "after_call" and self._conn is not None:
+        if keeper is None or self._conn is None:
+            return
+        if keeper.checkpoint == "after_call":
             await keeper.after_call(answer, self._run, self.generation)
+        await keeper.names_seen(self._names)
 
     async def _give_back(self) -> None:
         conn, self._conn = self._conn, None

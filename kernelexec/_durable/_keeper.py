@@ -40,6 +40,7 @@ Runner = Callable[[ExecuteRequest, float], Awaitable[dict[str, Any]]]
 Replayer = Callable[[list[str], Runner], Awaitable[list[str]]]
 """Rebuilds names by replaying the recorded cells that made them; returns those rebuilt."""
 
+_ENDED = "the host ended before the session's first checkpoint"
 _KEY = "kx_state"
 _META = "kernelexec_state"
 _TIMEOUT = 600.0
@@ -105,6 +106,8 @@ class SessionState:
         self._installed_in = -1
         self._hook_broken = False  # an after-call checkpoint failed: off until the next kernel
         self._files: tuple[_files.Signature, dict[str, Any] | None] | None = None
+        self._marking = False  # no checkpoint yet: a marker on disk lists the names
+        self._marked: tuple[str, ...] | None = None  # the names the marker on disk lists
 
     @property
     def staging(self) -> Path:
@@ -148,7 +151,33 @@ class SessionState:
                 await self._ask(run, generation, "forget", {})
             except StateError as exc:
                 log.warning("agent %r: durable state not set up: %s", self.agent_id, untrusted(exc))
+        if self._manifest is None or self._manifest.unfinished:
+            self._marking, self._marked = True, None
+            await self.names_seen(())
         return restored, lost
+
+    async def names_seen(self, names: tuple[str, ...]) -> None:
+        """The session's kernel holds ``names`` now. Until its first checkpoint, a marker on
+        disk lists them: a host killed before it saves has its next host report them lost
+        (rewritten only when the names differ)."""
+        if not self._marking or not (self._manifest is None or self._manifest.unfinished):
+            return
+        if self._marked is not None and self._marked == names:
+            return
+        marker = Manifest(
+            agent_id=self.agent_id,
+            env=self.env,
+            gen=0,
+            saved_at=now_iso(),
+            unsaved=dict.fromkeys(names, f"lost: {_ENDED}"),
+            unfinished=True,
+        )
+        try:
+            await asyncio.to_thread(self.store.mark, marker)
+        except OSError as exc:
+            log.warning("agent %r: could not mark the session begun: %s", self.agent_id, exc)
+            return
+        self._manifest, self._marked = marker, names
 
     async def _restore(
         self, run: Runner, generation: int, hand_over: Callable[[], Awaitable[None]]
@@ -160,7 +189,11 @@ class SessionState:
             for p in problems:
                 log.warning("agent %r: checkpoint not used: %s", self.agent_id, untrusted(p))
             return Restored(seconds=time.monotonic() - start, problems=problems)
-        not_restored = {n: f"not saved: {why}" for n, why in manifest.unsaved.items()}
+        if manifest.unfinished:
+            problems.append(f"{_ENDED}: its state is lost")
+            not_restored = dict(manifest.unsaved)
+        else:
+            not_restored = {n: f"not saved: {why}" for n, why in manifest.unsaved.items()}
         try:
             problem = await asyncio.to_thread(self._stage_for_restore, manifest)
             if problem:
@@ -251,7 +284,8 @@ class SessionState:
     async def _save(self, run: Runner, generation: int) -> Hibernation:
         start = time.monotonic()
         await self._load_quietly()
-        base = self._manifest.gen if self._manifest is not None else None
+        found = self._manifest
+        base = found.gen if found is not None and not found.unfinished else None
         args = {
             "staging": str(self.staging),
             "base": base,
@@ -280,7 +314,7 @@ class SessionState:
         if not isinstance(answer, dict):
             if self._files is None or _files.signature(self.workdir) == self._files[0]:
                 return
-            if self._manifest is None:
+            if self._manifest is None or self._manifest.unfinished:
                 return
             answer = {
                 "records": self._manifest.records,
@@ -341,6 +375,7 @@ class SessionState:
         except OSError as exc:
             raise StateError(f"saving the checkpoint failed: {exc}") from exc
         self._manifest, self._files = manifest, (sig, files)
+        self._marking = False  # a checkpoint now says what a host that ends loses
         return manifest, written + (int(files["size"]) if files else 0)
 
     def _environ(self, environ: Any) -> dict[str, str]:
@@ -390,10 +425,11 @@ class SessionState:
             self.store.commit(manifest, None)
 
         await asyncio.to_thread(write)
-        self._manifest, self._files = manifest, None
+        self._manifest, self._files, self._marking = manifest, None, False
 
     def deleted(self) -> None:
-        """The agent's state was deleted: nothing to restore."""
+        """The agent's state was deleted: nothing to restore (nor marked)."""
+        self._marking = False
         self._manifest, self._files, self._to_restore, self._loaded = None, None, False, True
 
     def _invalidate(self) -> None:

@@ -56,6 +56,9 @@ class Manifest:
     unsaved: dict[str, str] = field(default_factory=dict)
     environ: dict[str, str] = field(default_factory=dict)
     files: dict[str, Any] | None = None
+    unfinished: bool = False
+    """A marker written before the session's first checkpoint (no records): found on resume,
+    the host ended before it could save; ``unsaved`` holds the names the session had."""
 
     @property
     def names(self) -> list[str]:
@@ -192,6 +195,17 @@ class StateStore:
         self._collect(where)
         return moved
 
+    def mark(self, manifest: Manifest) -> None:
+        """Make ``manifest`` (a marker, no records) the agent's only manifest. Not synced: it
+        is rewritten on every call that changes the names (an ``fsync`` there cost 10 ms a
+        call, measured), and a killed host's page cache is kept; a machine that loses power
+        may lose it (the next host then says nothing)."""
+        where = self.agent_dir(manifest.agent_id, manifest.env)
+        where.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(where / PREVIOUS)
+        write_atomic(where / MANIFEST, encode_manifest(manifest), sync=False)
+
     def invalidate(self, agent_id: str, env: str) -> None:
         """Forget the agent's checkpoints (a failed save, a kernel lost: never bring back
         stale values)."""
@@ -223,6 +237,8 @@ class StateStore:
             try:
                 manifest = read_manifest(entry / MANIFEST)
             except (OSError, ValueError):
+                continue
+            if manifest.unfinished:
                 continue
             if entry.name != agent_key(manifest.agent_id, manifest.env):
                 continue
@@ -327,21 +343,24 @@ def read_manifest(path: Path) -> Manifest:
         raise ValueError(f"damaged manifest ({type(exc).__name__})") from None
 
 
-def write_atomic(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` so that a crash leaves the old or the new file, whole."""
+def write_atomic(path: Path, data: bytes, sync: bool = True) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old or the new file, whole
+    (without ``sync``, a killed process does; a machine that loses power may not)."""
     tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:
         with open(fd, "wb") as f:
             f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(path.parent)
+    if sync:
+        _fsync_dir(path.parent)
 
 
 def _fsync_dir(path: Path) -> None:

@@ -54,7 +54,7 @@ from typing import Literal
 from kernelexec._exceptions import ConfigError
 from kernelexec._sandbox import _nshelper
 from kernelexec._sandbox._users import LAYERS, blocked, within
-from kernelexec._tempdirs import PREFIXES
+from kernelexec._tempdirs import owner_of
 
 _SYSTEM = ("/proc", "/sys", "/dev")
 """Trees the sandbox provides itself: nothing in them is lent."""
@@ -142,7 +142,8 @@ def check(
             f"cannot lend {path} to a kernel: it holds {temp}, where kernelexec keeps every "
             "kernel's own directory; lend a directory of its own"
         )
-    if within(real, temp) and os.path.relpath(real, temp).split(os.sep)[0].startswith(PREFIXES):
+    top = os.path.join(temp, os.path.relpath(real, temp).split(os.sep)[0])
+    if within(real, temp) and owner_of(top) is not None:  # by kernelexec's marker, not a name
         raise ConfigError(f"cannot lend {path} to a kernel: it lies in a directory of kernelexec's")
     for mine in private:
         if mine is None:

@@ -23,7 +23,8 @@ from kernelexec._config import make_config
 from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._core._session import AsyncSession
 from kernelexec._exceptions import ExecutorClosedError
-from kernelexec._models import Execution
+from kernelexec._models import ExecError, Execution
+from kernelexec._plaintext import strip_ansi
 from kernelexec._sync import KernelExecutor, async_side
 
 T = TypeVar("T")
@@ -181,17 +182,36 @@ class AgentKernel:
 
 
 def describe_execution(result: Execution) -> str:
-    """A run as a tool's answer to a model: its output, its value or its error."""
+    """A run as a tool's answer to a model, plain text: its output, its value or its whole
+    traceback (line numbers included), and what a replaced interpreter lost."""
     parts = []
     if result.stdout:
-        parts.append(result.stdout.rstrip("\n"))
+        parts.append(strip_ansi(result.stdout).rstrip("\n"))
     if result.stderr:
-        parts.append(f"[stderr]\n{result.stderr.rstrip()}")
+        parts.append(f"[stderr]\n{strip_ansi(result.stderr).rstrip()}")
     if result.error is not None:
-        error = result.error
-        parts.append(f"{error.ename}: {error.evalue}" if error.ename else error.evalue)
-        if result.kernel_restarted:
-            parts.append("(the interpreter was restarted: earlier variables are gone)")
+        parts.append(describe_error(result.error))
     elif result.result is not None:
-        parts.append(result.result)
+        parts.append(strip_ansi(result.result))
+    if result.kernel_restarted:
+        parts.append(describe_loss(result.lost_variables))
     return "\n".join(parts) or "(no output)"
+
+
+def describe_error(error: ExecError) -> str:
+    """An error as plain text: the traceback as the kernel formatted it (without its colours),
+    and for a run kernelexec stopped (a timeout, a death, a limit) what stopped it."""
+    if error.traceback:
+        text = strip_ansi("\n".join(error.traceback)).strip("\n")
+    else:
+        text = strip_ansi(f"{error.ename}: {error.evalue}" if error.ename else error.evalue)
+    if error.kind != "exception" and error.traceback:
+        text = f"{text}\n({error.kind}: {strip_ansi(error.evalue)})"
+    return text
+
+
+def describe_loss(lost: list[str]) -> str:
+    """What a model is told when the interpreter was replaced (``lost``: the variables gone)."""
+    if not lost:
+        return "(the interpreter was restarted; no variables were lost)"
+    return f"(the interpreter was restarted: these variables were lost: {', '.join(lost)})"

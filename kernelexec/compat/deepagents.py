@@ -225,15 +225,30 @@ class KernelSandbox(BaseSandbox):
         return result.stdout.strip() or None
 
     def python_tool(self, *, timeout: float | None = None) -> BaseTool:
-        """A ``python`` tool on this sandbox's kernel: ``create_deep_agent(tools=[...])``."""
+        """A ``python`` tool on this sandbox's kernel: ``create_deep_agent(tools=[...])``. Its
+        description names the working directory (this starts the session's kernel)."""
 
         def python(code: str) -> str:
-            """Run Python code in a persistent interpreter (variables, imports and files stay
-            from one call to the next; the working directory is the sandbox's). Returns what it
-            printed and the value of its last expression, or its error."""
             return describe_execution(self._kernel.run_code(code, timeout=timeout))
 
-        return StructuredTool.from_function(python)
+        description = (
+            "Run Python code in a persistent interpreter (variables, imports and files stay "
+            "from one call to the next). Returns what it printed and the value of its last "
+            "expression, or its error with the whole traceback. The working directory is "
+            f"{self.working_dir()}: relative paths are there."
+        )
+        return StructuredTool.from_function(python, name="python", description=description)
+
+    def system_prompt(self) -> str:
+        """A piece for ``create_deep_agent(system_prompt=...)`` that tells the model where it
+        works: deepagents' file tools take absolute paths, and only the sandbox's working
+        directory is the agent's to write (``/notes.md`` is refused). Starts the session's
+        kernel."""
+        root = self.working_dir()
+        return (
+            f"Your working directory is {root}. Commands and Python run there; write files "
+            f"under it, with absolute paths in the file tools (for example {root}/notes.md)."
+        )
 
     def close(self) -> None:
         """Close the session (its kernel and commands end), and the executor when the

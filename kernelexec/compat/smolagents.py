@@ -27,9 +27,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     ) from exc
 
 from kernelexec._core._executor import AsyncKernelExecutor
+from kernelexec._core._session import AsyncSession
 from kernelexec._models import Execution
+from kernelexec._plaintext import strip_ansi
 from kernelexec._sync import KernelExecutor
-from kernelexec.compat._bridge import AgentKernel
+from kernelexec.compat._bridge import AgentKernel, describe_error, describe_loss
 
 __all__ = ["KernelPythonExecutor"]
 
@@ -112,27 +114,38 @@ class KernelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
         if self._sending_tools:
             code = _tolerant_imports(code)
         result = self._kernel.run_code(code, timeout=self._timeout)
+        loss = None
+        if result.kernel_restarted and not self._recording:
+            loss = describe_loss(result.lost_variables)
         if result.kernel_restarted and self._setup and not self._recording:
             # The kernel was replaced (a death, a stuck run, a limit, an eviction): the tools
             # and variables smolagents sent are gone. Send them again for the next steps; this
-            # step's result (its error, with what was lost) goes to the model as it is.
+            # step's result (its error, with what was lost) goes to the model.
             for setup in self._setup:
                 self._check(self._kernel.run_code(setup, timeout=self._timeout))
+            back = set(self._kernel.call(_names))
+            lost = [n for n in result.lost_variables if n not in back]
+            loss = f"{describe_loss(lost)[:-1]}; the tools were defined again)"
         if self._recording:
             self._setup.append(code)
-        return self._check(result)
+        return self._check(result, loss)
 
-    def _check(self, result: Execution) -> CodeOutput:
+    def _check(self, result: Execution, loss: str | None = None) -> CodeOutput:
+        """The step's outcome as smolagents takes it, plain text; ``loss`` says what a
+        replaced kernel lost (told to the model after the step's output)."""
         error = result.error
+        logs = strip_ansi(result.stdout)
         if error is not None and error.ename == self.FINAL_ANSWER_EXCEPTION:
             answer = self._deserialize_final_answer(error.evalue, self.allow_pickle)
-            return CodeOutput(output=answer, logs=result.stdout, is_final_answer=True)
+            return CodeOutput(output=answer, logs=logs, is_final_answer=True)
         if error is not None:
-            detail = "\n".join(error.traceback) or f"{error.ename}: {error.evalue}"
-            if error.kind != "exception":
-                detail = f"{detail}\n({error.kind}: {error.evalue})"
-            raise AgentError(f"{result.stdout}{detail}", self.logger)
-        return CodeOutput(output=_output(result), logs=result.stdout, is_final_answer=False)
+            detail = describe_error(error)
+            if loss is not None:
+                detail = f"{detail}\n{loss}"
+            raise AgentError(f"{logs}{detail}", self.logger)
+        if loss is not None:
+            logs = f"{logs}{loss}\n"
+        return CodeOutput(output=_output(result), logs=logs, is_final_answer=False)
 
     def cleanup(self) -> None:
         """Close the session, and the executor when the adapter made it."""
@@ -141,6 +154,11 @@ class KernelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
     def delete(self) -> None:
         """smolagents' name for :meth:`cleanup`."""
         self.cleanup()
+
+
+async def _names(session: AsyncSession) -> tuple[str, ...]:
+    """The user's names in the session's kernel after its last run."""
+    return session.lease.names
 
 
 def _tolerant_imports(code: str) -> str:

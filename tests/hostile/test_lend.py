@@ -23,6 +23,7 @@ import pytest
 import kernelexec as kx
 from kernelexec._core._session import AsyncSession
 from kernelexec._sandbox import _disk
+from kernelexec._tempdirs import make_owned_dir
 from tests.hostile.conftest import needs_bwrap, needs_root
 
 pytestmark = [
@@ -269,7 +270,7 @@ async def test_the_executors_own_directories_and_the_temp_root_are_never_lent(
     state = tmp_path / "state"
     async with kx.AsyncKernelExecutor(isolation="process", state_dir=state) as ex:
         session = await ex.session("refused")
-        kdir = tempfile.mkdtemp(prefix="kx-")  # named as a kernel's own directory
+        kdir = make_owned_dir("kx-")  # a kernel's own directory: kernelexec's marker in it
         try:
             for path, why in [
                 ("/", "holds"),
@@ -283,7 +284,38 @@ async def test_the_executors_own_directories_and_the_temp_root_are_never_lent(
                 with pytest.raises(kx.ConfigError, match=why):
                     await session.lease.lend(path, mode="own")
         finally:
-            os.rmdir(kdir)
+            shutil.rmtree(kdir)
+
+
+@pytest.fixture
+def named_like_ours() -> Iterator[tuple[Path, Path]]:
+    """A user's ``kx-work`` under the temp dir holding a file, and a ``kx-linked`` whose
+    ``.owner`` is a link to the marker of a real kernelexec directory."""
+    work = Path(tempfile.gettempdir(), "kx-work")
+    work.mkdir()
+    (work / "data.txt").write_text("mine")
+    real = Path(make_owned_dir("kx-"))
+    linked = Path(tempfile.gettempdir(), "kx-linked")
+    linked.mkdir()
+    (linked / ".owner").symlink_to(real / ".owner")
+    try:
+        yield work, linked
+    finally:
+        for path in (work, real, linked):
+            shutil.rmtree(path)
+
+
+async def test_a_users_directory_named_like_kernelexecs_is_lent(
+    executor: kx.AsyncKernelExecutor, named_like_ours: tuple[Path, Path]
+) -> None:
+    """Issue 36: any ``kx-*`` directory under the temp dir was refused as kernelexec's; only
+    kernelexec's marker (a plain ``.owner`` file, not a link) makes it so."""
+    work, linked = named_like_ours
+    session = await executor.session("user-dir")
+    assert await session.lease.lend(work, mode="own") == str(work)
+    assert await run(session, f"open({str(work / 'data.txt')!r}).read()") == "'mine'"
+    # A link planted as the marker, to a real marker, does not make it kernelexec's either.
+    assert await session.lease.lend(linked, mode="own") == str(linked)
 
 
 async def test_a_directory_lent_while_the_kernel_is_dead_reaches_the_one_replacing_it(
