@@ -55,7 +55,8 @@ def needs(page: Path) -> Needs:
     text = page.read_text()
     marker = _MARKER.search(text)
     if marker:
-        return Needs(tuple(sorted({x.strip() for x in marker.group(1).split(",") if x.strip()})), ())
+        named = {x.strip() for x in marker.group(1).split(",")} - {""}
+        return Needs(tuple(sorted(named)), ())
     extras = {x for m in _MENTION.finditer(text) for x in m.group(1).split(",")}
     packages = set()
     for line in _PIP.finditer(text):
