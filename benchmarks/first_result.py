@@ -8,7 +8,7 @@ and reused. Each run is a fresh interpreter: ``import kernelexec``, a ``KernelEx
 defaults, ``run_code("1 + 1")``; the time is taken when the result is back (closing is not
 counted). The runs interleave the venvs, round by round.
 
-Usage: ``.venv/bin/python benchmarks/first_result.py [--revs 146886e HEAD] [--runs 3]``; prints
+Usage: ``.venv/bin/python benchmarks/first_result.py [--revs 146886e main] [--runs 3]``; prints
 a table and writes ``benchmarks/results/first_result.json`` with the load average at the start
 and the end.
 """
@@ -43,12 +43,16 @@ print(t1 - t0, t2 - t0)
 """
 
 
-def _venv(rev: str, extras: str) -> Path:
-    """The python of a venv holding revision ``rev`` of the package with ``extras``."""
-    sha = subprocess.run(
+def _sha(rev: str) -> str:
+    return subprocess.run(
         ["git", "rev-parse", "--short=10", rev], cwd=ROOT, capture_output=True, text=True,
         check=True,
     ).stdout.strip()  # fmt: skip
+
+
+def _venv(rev: str, extras: str) -> Path:
+    """The python of a venv holding revision ``rev`` of the package with ``extras``."""
+    sha = _sha(rev)
     home = CACHE / f"{sha}-{extras or 'base'}"
     python = home / "bin" / "python"
     if (home / ".complete").exists():
@@ -61,7 +65,11 @@ def _venv(rev: str, extras: str) -> Path:
         subprocess.run(["tar", "-x", "-C", src], input=archive, check=True)
         subprocess.run([sys.executable, "-m", "venv", str(home)], check=True)
         spec = f"{src}[{extras}]" if extras else src
-        subprocess.run([str(python), "-m", "pip", "install", "-q", spec], check=True)
+        pip = subprocess.run(
+            [str(python), "-m", "pip", "install", "-q", spec], capture_output=True, text=True
+        )
+        if pip.returncode:
+            sys.exit(f"pip install {spec}:\n{pip.stderr}")
     (home / ".complete").touch()
     return python
 
@@ -77,7 +85,7 @@ def _run(python: Path) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--revs", nargs="+", default=["146886e", "HEAD"])
+    parser.add_argument("--revs", nargs="+", default=["146886e", "main"])
     parser.add_argument("--runs", type=int, default=3)
     args = parser.parse_args()
     load_start = os.getloadavg()
@@ -93,7 +101,7 @@ def main() -> None:
         firsts = [first for _, first in runs]
         rows.append(
             {
-                "rev": rev,
+                "rev": f"{rev} ({_sha(rev)})" if _sha(rev) != rev else rev,
                 "extras": extras or "(none)",
                 "import_s": [round(i, 3) for i, _ in runs],
                 "first_result_s": [round(f, 3) for f in firsts],
@@ -101,7 +109,7 @@ def main() -> None:
             }
         )
     print(f"load average at start {load_start}, at end {load_end}")
-    print("| revision | extras | import kernelexec (s) | import to first result (s), runs | median |")
+    print("| revision | extras | import (s) | import to first result (s), runs | median |")
     print("|---|---|---|---|---|")
     for row in rows:
         imports = ", ".join(f"{t:.2f}" for t in row["import_s"])
