@@ -30,7 +30,7 @@ from kernelexec._core._state import Lifecycle
 from kernelexec._envs._builder import ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._files._blocking import SessionCommands, SessionFiles
-from kernelexec._models import Execution, Hibernation, Isolation, ToolResult
+from kernelexec._models import Execution, Hibernation, Isolation, ToolResult, Variable
 from kernelexec._public import public
 from kernelexec._replay import ReplayReport, areplay
 from kernelexec._tools._tool import Tool
@@ -255,9 +255,10 @@ class Session:
             host_functions=host_functions,
         )
 
-    def variables(self) -> dict[str, dict[str, str]]:
-        """The user's variables in the kernel; see :meth:`AsyncSession.variables`."""
-        return self._portal.call(self._inner.variables)
+    def variables(self, timeout: float = 10.0) -> list[Variable]:
+        """The user's variables in the kernel (name, type, bounded summary, size); see
+        :meth:`AsyncSession.variables`."""
+        return self._portal.call(self._inner.variables, timeout)
 
     def interrupt(self) -> None:
         """Interrupt the running code; see :meth:`AsyncSession.interrupt`."""

@@ -53,7 +53,9 @@ from kernelexec._models import (
     HostCall,
     Isolation,
     RunRecord,
+    StateChanges,
     ToolResult,
+    Variable,
     now_iso,
 )
 from kernelexec._observability._logtext import untrusted
@@ -393,20 +395,26 @@ class AsyncSession:
         ]
         return full.model_copy(update={"outputs": outputs, "result": None})
 
-    async def variables(self, timeout: float = 10.0) -> dict[str, dict[str, str]]:
-        """The user's variables in the session's kernel: name -> ``{"type", "repr"}``.
+    async def variables(self, timeout: float = 10.0) -> list[Variable]:
+        """The user's variables in the session's kernel, sorted by name: each one's name,
+        qualified type, a summary of at most 200 characters and its size.
 
-        Waits for the running call (if any), never starts a kernel (empty when none is
-        attached) and is not recorded. Reprs are cut at 120 characters.
+        Lists the names the user's code (or a tool) bound, not IPython's (``In``, ``Out``,
+        ``exit``, ...), kernelexec's, or names starting with ``_``. A value's own
+        ``__repr__`` runs only under a deadline (builtin values are summarised without
+        one): one that hangs, raises or returns megabytes still gets an entry, its summary
+        saying so, and the whole listing answers within about a second. Waits for the
+        running call (if any), never starts a kernel (empty when none is attached) and is
+        not recorded.
         """
         async with self._lease.hold():
             self._state.check()
             conn = self._lease.connection
             if conn is None:
-                return {}
+                return []
             out = await run_internal(conn, protocol.VARIABLES, timeout)
         if out.died or out.timed_out or out.reply is None:
-            return {}
+            return []
         return protocol.read_variables(out.reply)
 
     async def fork(self, n: int = 1) -> list[AsyncSession]:
@@ -636,6 +644,7 @@ class AsyncSession:
             host_calls=calls,
             restored=restored,
             duration_s=time.monotonic() - start,
+            changes=out.read().changes if lost is None else StateChanges(),
         )
         self._current = None  # the result owns its outputs now
         return ran

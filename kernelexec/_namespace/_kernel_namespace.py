@@ -1,0 +1,228 @@
+"""The kernel half of the namespace view: which names a run added, rebound or removed, and a
+bounded summary of every user variable.
+
+Standard-library Python, sent to the kernel as text with kernelexec's kernel side and run there
+as the module :data:`MODULE_NAME` (it imports nothing of kernelexec). Two promises:
+
+* **Changes cost next to nothing.** Before each run (``pre_execute``) it keeps the id of the
+  object each name is bound to (ids only: a value deleted during the run is freed as usual);
+  after it, one pass over the namespace compares. A name bound to another object is
+  ``changed``; a list appended to in place is not.
+* **A value's own code never runs unbounded.** Builtin values are summarised without calling
+  anything of theirs (a string or bytes is cut before it is repr'd, a container is counted, a
+  huge int is measured in bits). Any other value's ``__repr__`` runs under a deadline
+  (``SIGALRM`` on the main thread, re-armed until it is out) and its text is cut; all the
+  values together share one time budget, so a listing answers within about a second whatever
+  the values do.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+import threading
+import time
+import types
+from typing import Any
+
+MODULE_NAME = "__kernelexec_namespace__"
+"""The name this module is installed under in the kernel's ``sys.modules``."""
+
+CHANGES_PAYLOAD = "kernelexec.changes"
+"""The ``source`` of the reply payload that lists a run's ``added``/``changed``/``removed``."""
+
+SUMMARY_CHARS = 200
+"""The longest summary, in characters."""
+
+REPR_SECONDS = 0.25
+"""How long one value's ``__repr__`` may run."""
+
+TOTAL_SECONDS = 0.6
+"""How long all the values' ``__repr__`` together may run in one listing."""
+
+_HIDDEN = {"In", "Out", "exit", "quit", "get_ipython", "open"}
+_MISSING = object()
+_SCALARS = (bool, int, float, complex, type(None))
+_PLAIN_CODE = (
+    types.FunctionType,
+    types.BuiltinFunctionType,
+    types.MethodType,
+    types.ModuleType,
+)
+
+
+def visible(name: str, hidden: Any) -> bool:
+    """Whether ``name`` is one the user's code bound (not IPython's, not kernelexec's)."""
+    return not name.startswith("_") and name not in _HIDDEN and name not in hidden
+
+
+class Tracker:
+    """The ids bound before the current run, and what changed since (see the module
+    docstring)."""
+
+    def __init__(self, shell: Any) -> None:
+        self._shell = shell
+        self._before: dict[str, int] | None = None
+
+    def before(self) -> None:
+        """``pre_execute``: note what every name is bound to now."""
+        self._before = {name: id(value) for name, value in self._shell.user_ns.items()}
+
+    def changes(self) -> dict[str, Any] | None:
+        """The run's changes as a reply payload (None when no run was seen starting)."""
+        before, self._before = self._before, None
+        if before is None:
+            return None
+        hidden = self._shell.user_ns_hidden
+        added: list[str] = []
+        changed: list[str] = []
+        ns = self._shell.user_ns
+        for name, value in ns.items():
+            was = before.get(name, _MISSING)
+            if was is _MISSING:
+                added.append(name)
+            elif was != id(value):
+                changed.append(name)
+        removed = [name for name in before if name not in ns]
+        return {
+            "source": CHANGES_PAYLOAD,
+            "added": sorted(n for n in added if visible(n, hidden)),
+            "changed": sorted(n for n in changed if visible(n, hidden)),
+            "removed": sorted(n for n in removed if visible(n, hidden)),
+        }
+
+
+class _Deadline(BaseException):
+    """Raised into a ``__repr__`` that ran out of time (a BaseException: ``except
+    Exception`` in the value's code does not swallow it)."""
+
+
+class _Listing:
+    """Every user variable: name, qualified type, summary, size; read back by the host."""
+
+    def __init__(self, shell: Any, mime: str) -> None:
+        self._shell = shell
+        self._mime = mime
+
+    def __repr__(self) -> str:
+        return "<kernelexec namespace>"
+
+    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
+        import json
+
+        ns = self._shell.user_ns
+        hidden = self._shell.user_ns_hidden
+        budget = [TOTAL_SECONDS]
+        found = [
+            _entry(name, ns[name], budget) for name in sorted(ns) if visible(name, hidden)
+        ]
+        return {self._mime: json.dumps(found, ensure_ascii=False)}
+
+
+def listing(shell: Any, mime: str) -> _Listing:
+    """For the host's ``AsyncSession.variables``."""
+    return _Listing(shell, mime)
+
+
+def _entry(name: str, value: Any, budget: list[float]) -> dict[str, Any]:
+    cls = type(value)
+    try:
+        type_name = f"{cls.__module__}.{cls.__qualname__}"
+    except Exception:
+        type_name = "?"
+    summary, size = _builtin(value)
+    if summary is None:
+        summary, size = _foreign(value, cls, budget)
+    return {"name": name, "type": type_name, "summary": _cut(summary), "size_bytes": size}
+
+
+def _cut(text: str) -> str:
+    return text if len(text) <= SUMMARY_CHARS else text[: SUMMARY_CHARS - 1] + "\u2026"
+
+
+def _builtin(value: Any) -> tuple[str | None, int | None]:
+    """A summary of a builtin value, made without calling any of its own code."""
+    cls = type(value)
+    if cls is int and value.bit_length() > 600:
+        return f"int of {value.bit_length()} bits", sys.getsizeof(value)
+    if cls in _SCALARS:
+        return repr(value), sys.getsizeof(value)
+    if cls in (str, bytes, bytearray):
+        head = repr(value[:SUMMARY_CHARS])
+        if len(value) > SUMMARY_CHARS:
+            unit = "characters" if cls is str else "bytes"
+            head = f"{cls.__name__} of {len(value)} {unit}: {head}"
+        return head, sys.getsizeof(value)
+    if cls in (list, tuple, dict, set, frozenset):
+        n = len(value)
+        return f"{cls.__name__} of {n} item{'' if n == 1 else 's'}", sys.getsizeof(value)
+    return None, None
+
+
+def _foreign(value: Any, cls: type, budget: list[float]) -> tuple[str, int | None]:
+    """A summary of any other value: a known shape (a DataFrame, an array) or its repr, run
+    under the deadline."""
+    module = getattr(cls, "__module__", "") or ""
+    name = cls.__qualname__
+    if module.startswith(("pandas.", "numpy")) and name in ("DataFrame", "Series", "ndarray"):
+        try:
+            shape = value.shape
+            size = int(value.nbytes) if name == "ndarray" else None
+            dims = "x".join(str(int(d)) for d in shape)
+            dtype = f" {value.dtype}" if name != "DataFrame" else ""
+            return f"{name} {dims}{dtype}", size
+        except Exception:
+            pass
+    if isinstance(value, type):
+        return f"<class {_name_of(value)}>", None
+    if isinstance(value, _PLAIN_CODE):
+        return f"<{cls.__name__} {_name_of(value)}>", None
+    return _bounded_repr(value, name, budget), None
+
+
+def _name_of(value: Any) -> str:
+    name = getattr(type(value), "__qualname__", "?")
+    try:
+        got = value.__name__ if isinstance(value, types.ModuleType) else value.__qualname__
+        if isinstance(got, str):
+            name = got
+    except Exception:
+        pass
+    return name
+
+
+def _bounded_repr(value: Any, name: str, budget: list[float]) -> str:
+    if budget[0] <= 0:
+        return f"<{name} object: not shown, the listing's time for reprs ran out>"
+    if threading.current_thread() is not threading.main_thread():
+        return f"<{name} object>"
+    allowed = min(REPR_SECONDS, budget[0])
+
+    armed = [True]
+
+    def expire(signum: int, frame: Any) -> None:
+        if armed[0]:
+            raise _Deadline  # re-armed every 50 ms, for a repr that catches it and goes on
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    old_timer = signal.setitimer(signal.ITIMER_REAL, allowed, 0.05)
+    started = time.monotonic()
+    try:
+        try:
+            text = repr(value)
+        finally:
+            armed[0] = False
+        text = text[: SUMMARY_CHARS * 2] if isinstance(text, str) else f"<{name} object>"
+    except _Deadline:
+        armed[0] = False
+        text = f"<{name} object: its repr took longer than {allowed:g} s>"
+    except BaseException as exc:
+        text = f"<{name} object: its repr raised {type(exc).__name__}>"
+    finally:
+        armed[0] = False
+        signal.setitimer(signal.ITIMER_REAL, 0, 0)
+        signal.signal(signal.SIGALRM, previous)
+        if old_timer[0] > 0:
+            signal.setitimer(signal.ITIMER_REAL, *old_timer)
+        budget[0] -= time.monotonic() - started
+    return text
