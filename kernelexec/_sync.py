@@ -215,6 +215,7 @@ class Session:
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
         host_functions: HostFunctions | None = None,
+        atomic: bool = False,
     ) -> Execution:
         """Run code in the session's kernel; see :meth:`AsyncSession.run_code`."""
         return self._portal.call(
@@ -226,6 +227,7 @@ class Session:
             on_stderr=on_stderr,
             on_display=on_display,
             host_functions=host_functions,
+            atomic=atomic,
         )
 
     def call_tool(
@@ -240,6 +242,7 @@ class Session:
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
         host_functions: HostFunctions | None = None,
+        atomic: bool = False,
     ) -> ToolResult:
         """Call a tool; see :meth:`AsyncSession.call_tool`."""
         return self._portal.call(
@@ -253,6 +256,7 @@ class Session:
             on_stderr=on_stderr,
             on_display=on_display,
             host_functions=host_functions,
+            atomic=atomic,
         )
 
     def variables(self, timeout: float = 10.0) -> list[Variable]:

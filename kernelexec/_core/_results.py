@@ -42,6 +42,7 @@ class Ran:
         duration_s: Seconds from the call to its end.
         changes: The names the run added, rebound and removed (none: it reported none, or
             its kernel was lost).
+        rolled_back: An atomic run failed and the session was put back as it was before it.
     """
 
     error: ExecError | None
@@ -55,6 +56,7 @@ class Ran:
     restored: Restored | None = None
     duration_s: float = 0.0
     changes: StateChanges = field(default_factory=StateChanges)
+    rolled_back: bool = False
 
 
 def execution(ran: Ran) -> Execution:
@@ -123,6 +125,7 @@ def _fields(ran: Ran) -> dict[str, Any]:
         "restored": ran.restored,
         "duration_s": ran.duration_s,
         "changes": ran.changes,
+        "rolled_back": ran.rolled_back,
     }
 
 

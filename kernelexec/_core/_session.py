@@ -243,6 +243,7 @@ class AsyncSession:
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
         host_functions: HostFunctions | None = None,
+        atomic: bool = False,
     ) -> Execution:
         """Run code in the session's kernel, like a notebook cell.
 
@@ -255,6 +256,16 @@ class AsyncSession:
             on_display: Called with each display_data output dict as it arrives.
             host_functions: Host functions for this run only, as :meth:`expose` would make
                 them (a list: module ``tools``; or a dict of module name -> functions).
+            atomic: All or nothing: the session is snapshotted first, and if the run ends in
+                an error (an exception, a timeout) its variables and working-directory
+                files are put back as they were, with ``rolled_back=True`` on the result. A
+                run that kills its kernel takes the snapshot with it: its error then says it
+                was not rolled back. Effects outside the session (network, host calls) are
+                not undone.
+
+        Raises:
+            BranchingNotSupportedError: ``atomic=True`` where snapshots are not offered
+                (``isolation="bwrap"``, a remote backend); nothing ran.
         """
         if not isinstance(code, str):
             raise TypeError(f"code must be str, not {type(code).__name__}")
@@ -265,12 +276,18 @@ class AsyncSession:
         once = one_call(host_functions)
         run = CodeRun(code, env_vars)
         callbacks = Callbacks(on_stdout, on_stderr, on_display)
+        guard = self._atomic_guard() if atomic else None
         async with self._lease.hold():
             self._state.check()
+            snap = await guard.before_atomic(self) if guard is not None else None
             started = now_iso()
             try:
                 ran = await self._execute(run, timeout, callbacks, once)
+                if guard is not None and snap is not None:
+                    ran = await guard.after_atomic(self, snap, ran)
+                    snap = None
             except asyncio.CancelledError:
+                await _drop(snap)
                 self._raise_if_closed_under_us()
                 await finish_shielded(
                     self._record_cancelled(
@@ -279,6 +296,7 @@ class AsyncSession:
                 )
                 raise
             except CallbackFailed as failed:
+                await _drop(snap)
                 await finish_shielded(
                     self._record_cancelled(
                         failed, kind="code", code=code, started=started, timeout_s=timeout
@@ -304,6 +322,7 @@ class AsyncSession:
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
         host_functions: HostFunctions | None = None,
+        atomic: bool = False,
     ) -> ToolResult:
         """Call a tool with JSON arguments; they are validated first and sent as data.
 
@@ -319,6 +338,12 @@ class AsyncSession:
             on_display: Called with each display_data output dict as it arrives.
             host_functions: Host functions the tool may call, for this call only (see
                 :meth:`run_code`).
+            atomic: All or nothing, as for :meth:`run_code`: a failed call leaves the
+                session as it was (``rolled_back=True``).
+
+        Raises:
+            BranchingNotSupportedError: ``atomic=True`` where snapshots are not offered;
+                nothing ran.
         """
         if not isinstance(tool, Tool):
             raise TypeError(f"tool must be a kernelexec.Tool, not {type(tool).__name__}")
@@ -331,6 +356,7 @@ class AsyncSession:
         if problem:
             problems.append(problem)
         recording = self._recorder is not None
+        guard = self._atomic_guard() if atomic else None
         async with self._lease.hold():
             self._state.check()
             started = now_iso()
@@ -338,7 +364,9 @@ class AsyncSession:
                 full = results.rejected(
                     problems, agent_state=agent_state, fingerprint=self.fingerprint
                 )
-                ran = Ran(full.error, Collected(), self._lease.generation)
+                if atomic:  # nothing ran: the session is as it was
+                    full = full.model_copy(update={"rolled_back": True})
+                ran = Ran(full.error, Collected(), self._lease.generation, rolled_back=atomic)
             else:
                 run = ToolCall(
                     tool,
@@ -349,9 +377,14 @@ class AsyncSession:
                     display=recording,
                 )
                 callbacks = Callbacks(on_stdout, on_stderr, on_display)
+                snap = await guard.before_atomic(self) if guard is not None else None
                 try:
                     ran = await self._execute(run, timeout, callbacks, once)
+                    if guard is not None and snap is not None:
+                        ran = await guard.after_atomic(self, snap, ran)
+                        snap = None
                 except asyncio.CancelledError:
+                    await _drop(snap)
                     self._raise_if_closed_under_us()
                     await finish_shielded(
                         self._record_cancelled(
@@ -365,6 +398,7 @@ class AsyncSession:
                     )
                     raise
                 except CallbackFailed as failed:
+                    await _drop(snap)
                     await finish_shielded(
                         self._record_cancelled(
                             failed,
@@ -468,6 +502,17 @@ class AsyncSession:
             self._state.check()
             with telemetry().span("session.restore", self._span_attributes()):
                 await branches.restore(self, snap)
+
+    def _atomic_guard(self) -> SessionBranches:
+        """What makes a run atomic; refused before anything runs where it cannot be."""
+        self._state.check()
+        if self._branches is None:
+            raise BranchingNotSupportedError(
+                f"atomic runs need snapshots, which sessions of the {self.backend!r} backend "
+                "do not offer; nothing ran"
+            )
+        self._branches.check_atomic(self)
+        return self._branches
 
     def _need_branches(self) -> SessionBranches:
         self._state.check()
@@ -795,6 +840,12 @@ class AsyncSession:
         if reply.report is not None:
             self._lease.update_names(reply.report.names)
         return results.run_error(out, reply, timeout, tool_call=tool_call), reply.report, lost
+
+
+async def _drop(snap: AsyncSnapshot | None) -> None:
+    """Free an atomic run's snapshot on a way out that does not roll back."""
+    if snap is not None:
+        await finish_shielded(snap.aclose())
 
 
 def _callers_error(failed: CallbackFailed) -> Exception:
