@@ -43,6 +43,8 @@ TOTAL_SECONDS = 0.6
 _HIDDEN = {"In", "Out", "exit", "quit", "get_ipython", "open"}
 _MISSING = object()
 _SCALARS = (bool, int, float, complex, type(None))
+_CONTAINERS = (list, tuple, dict, set, frozenset)
+_BUILTINS = (*_SCALARS, str, bytes, bytearray, *_CONTAINERS)
 _PLAIN_CODE = (
     types.FunctionType,
     types.BuiltinFunctionType,
@@ -143,20 +145,55 @@ def _cut(text: str) -> str:
 def _builtin(value: Any) -> tuple[str | None, int | None]:
     """A summary of a builtin value, made without calling any of its own code."""
     cls = type(value)
-    if cls is int and value.bit_length() > 600:
-        return f"int of {value.bit_length()} bits", sys.getsizeof(value)
-    if cls in _SCALARS:
-        return repr(value), sys.getsizeof(value)
-    if cls in (str, bytes, bytearray):
-        head = repr(value[:SUMMARY_CHARS])
-        if len(value) > SUMMARY_CHARS:
-            unit = "characters" if cls is str else "bytes"
-            head = f"{cls.__name__} of {len(value)} {unit}: {head}"
-        return head, sys.getsizeof(value)
-    if cls in (list, tuple, dict, set, frozenset):
+    if cls not in _BUILTINS:
+        return None, None
+    text = _brief(value, 0)
+    if cls in (str, bytes, bytearray) and len(value) > SUMMARY_CHARS:
+        unit = "characters" if cls is str else "bytes"
+        text = f"{cls.__name__} of {len(value)} {unit}: {text}"
+    elif cls in _CONTAINERS and (len(value) > 20 or text[-2:-1] == "\u2026"):
         n = len(value)
-        return f"{cls.__name__} of {n} item{'' if n == 1 else 's'}", sys.getsizeof(value)
-    return None, None
+        text = f"{cls.__name__} of {n} item{'' if n == 1 else 's'}: {text}"
+    return text, sys.getsizeof(value)
+
+
+def _brief(value: Any, depth: int) -> str:
+    """A short repr of a builtin value (an item of a container: ``depth`` > 0); anything
+    else inside a container is only named."""
+    cls = type(value)
+    if cls is int and value.bit_length() > 600:
+        return f"<int of {value.bit_length()} bits>" if depth else f"int of {value.bit_length()} bits"
+    if cls in _SCALARS:
+        return repr(value)
+    if cls in (str, bytes, bytearray):
+        room = SUMMARY_CHARS if depth == 0 else 40
+        return repr(value[:room]) + ("\u2026" if len(value) > room else "")
+    if cls not in _CONTAINERS:
+        return f"<{cls.__qualname__} object>"
+    n = len(value)
+    if depth >= 2 and n:
+        return f"<{cls.__name__} of {n} items>"
+    items = dict.items(value) if cls is dict else value
+    parts: list[str] = []
+    used = 0
+    for item in items:
+        if len(parts) >= 20 or used > SUMMARY_CHARS:
+            parts.append("\u2026")
+            break
+        if cls is dict:
+            part = f"{_brief(item[0], depth + 1)}: {_brief(item[1], depth + 1)}"
+        else:
+            part = _brief(item, depth + 1)
+        parts.append(part)
+        used += len(part) + 2
+    body = ", ".join(parts)
+    if cls is list:
+        return f"[{body}]"
+    if cls is tuple:
+        return f"({body}{',' if n == 1 else ''})"
+    if cls is dict:
+        return "{" + body + "}"
+    return f"{cls.__name__}({{{body}}})" if n else f"{cls.__name__}()"
 
 
 def _foreign(value: Any, cls: type, budget: list[float]) -> tuple[str, int | None]:
