@@ -3,7 +3,6 @@ listing (bounded whatever the values do), the changes on every result, atomic ru
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -15,7 +14,7 @@ from .test_branching import _OtherBackend
 
 pytestmark = pytest.mark.anyio
 
-HOSTILE = '''
+HOSTILE = """
 import time
 
 class Hangs:
@@ -48,7 +47,7 @@ many = list(range(3))
 long = list(range(1000))
 mixed = [hangs, {"k": raises}, (1,)]
 _private = 1
-'''
+"""
 
 
 def by_name(found: list[kx.Variable]) -> dict[str, kx.Variable]:
@@ -127,7 +126,7 @@ async def test_atomic_run_rolls_back_an_exception_variables_and_files() -> None:
             "os.path.exists('new.txt'))"
         )
         assert check.stdout == "[1, 2] False before False\n"
-        assert Path(s.workdir, "notes.txt").read_text() == "before"
+        assert Path(s.workdir, "notes.txt").read_text() == "before"  # noqa: ASYNC240
         ok = await s.run_code("data.append(9)\ny = 1", atomic=True)
         assert ok.ok and not ok.rolled_back and ok.changes.added == ["y"]
         plain = await s.run_code("z = 1\n1/0")
@@ -187,4 +186,4 @@ async def test_atomic_is_refused_before_anything_runs_where_snapshots_are_not_of
         with pytest.raises(kx.BranchingNotSupportedError, match="isolation='bwrap'"):
             await s.run_code("x = 1", atomic=True)
         assert ex.kernel_count == 0
-        assert not os.path.exists(marker)
+        assert not marker.exists()

@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kernelexec import _trees
+from kernelexec._aio import finish_shielded
 from kernelexec._branching._family import AsyncSnapshot, Brancher
 from kernelexec._core._budget import KernelBudget
-from kernelexec._core._startup import make_ready, shutdown_fully
-from kernelexec._aio import finish_shielded
 from kernelexec._core._results import Ran
+from kernelexec._core._startup import make_ready, shutdown_fully
 from kernelexec._exceptions import BranchError, KernelStartError, PoolExhaustedError, TreeLimitError
 from kernelexec._models import StateChanges
 from kernelexec._protocol import _kernel_side as kernel_side

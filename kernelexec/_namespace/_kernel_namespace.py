@@ -115,9 +115,7 @@ class _Listing:
         ns = self._shell.user_ns
         hidden = self._shell.user_ns_hidden
         budget = [TOTAL_SECONDS]
-        found = [
-            _entry(name, ns[name], budget) for name in sorted(ns) if visible(name, hidden)
-        ]
+        found = [_entry(name, ns[name], budget) for name in sorted(ns) if visible(name, hidden)]
         return {self._mime: json.dumps(found, ensure_ascii=False)}
 
 
@@ -161,8 +159,9 @@ def _brief(value: Any, depth: int) -> str:
     """A short repr of a builtin value (an item of a container: ``depth`` > 0); anything
     else inside a container is only named."""
     cls = type(value)
-    if cls is int and value.bit_length() > 600:
-        return f"<int of {value.bit_length()} bits>" if depth else f"int of {value.bit_length()} bits"
+    if cls is int and value.bit_length() > 600:  # its decimal digits cost quadratic time
+        text = f"int of {value.bit_length()} bits"
+        return f"<{text}>" if depth else text
     if cls in _SCALARS:
         return repr(value)
     if cls in (str, bytes, bytearray):
