@@ -187,3 +187,20 @@ async def test_atomic_is_refused_before_anything_runs_where_snapshots_are_not_of
             await s.run_code("x = 1", atomic=True)
         assert ex.kernel_count == 0
         assert not marker.exists()
+
+
+async def test_adapters_tell_the_model_what_a_step_changed_lost_or_undid() -> None:
+    from kernelexec.compat._bridge import describe_execution
+
+    async with kx.AsyncKernelExecutor(default_timeout=30) as ex:
+        s = await ex.session("adapters")
+        assert describe_execution(await s.run_code("a = 1\nb = 2")) == "(variables added a, b)"
+        assert describe_execution(await s.run_code("print(a)")) == "1"
+        undone = await s.run_code("a = 5\nraise KeyError('k')", atomic=True)
+        assert describe_execution(undone) == (
+            "KeyError: 'k'\n(rolled back: the variables and files are as before this run)"
+        )
+        died = await s.run_code("import os; os._exit(1)")
+        assert describe_execution(died).endswith(
+            "(the interpreter was restarted: these variables are gone: a, b)"
+        )

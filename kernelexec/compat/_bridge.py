@@ -181,7 +181,8 @@ class AgentKernel:
 
 
 def describe_execution(result: Execution) -> str:
-    """A run as a tool's answer to a model: its output, its value or its error."""
+    """A run as a tool's answer to a model: its output, its value or its error, and one short
+    line on the interpreter's state (what the run bound, or what a failure lost or undid)."""
     parts = []
     if result.stdout:
         parts.append(result.stdout.rstrip("\n"))
@@ -190,8 +191,24 @@ def describe_execution(result: Execution) -> str:
     if result.error is not None:
         error = result.error
         parts.append(f"{error.ename}: {error.evalue}" if error.ename else error.evalue)
-        if result.kernel_restarted:
-            parts.append("(the interpreter was restarted: earlier variables are gone)")
     elif result.result is not None:
         parts.append(result.result)
+    state = state_line(result)
+    if state:
+        parts.append(state)
     return "\n".join(parts) or "(no output)"
+
+
+def state_line(result: Execution) -> str | None:
+    """One short line for a model on what a run did to the interpreter's state (None when it
+    bound, rebound and removed nothing)."""
+    if result.rolled_back:
+        return "(rolled back: the variables and files are as before this run)"
+    if result.kernel_restarted:
+        lost = ", ".join(result.lost_variables)
+        return "(the interpreter was restarted: " + (
+            f"these variables are gone: {lost})" if lost else "earlier variables are gone)"
+        )
+    if result.changes:
+        return f"(variables {result.changes.describe()})"
+    return None

@@ -29,7 +29,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._models import Execution
 from kernelexec._sync import KernelExecutor
-from kernelexec.compat._bridge import AgentKernel
+from kernelexec.compat._bridge import AgentKernel, state_line
 
 __all__ = ["KernelPythonExecutor"]
 
@@ -131,6 +131,9 @@ class KernelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
             detail = "\n".join(error.traceback) or f"{error.ename}: {error.evalue}"
             if error.kind != "exception":
                 detail = f"{detail}\n({error.kind}: {error.evalue})"
+            state = state_line(result)
+            if state and (result.kernel_restarted or result.rolled_back):
+                detail = f"{detail}\n{state}"
             raise AgentError(f"{result.stdout}{detail}", self.logger)
         return CodeOutput(output=_output(result), logs=result.stdout, is_final_answer=False)
 
