@@ -12,11 +12,14 @@ Rows, each with its baseline measured in the same run:
   session holding 100 MiB (median of 20 each, interleaved), for a successful run and for a
   failed one (which is rolled back).
 
-Usage: ``.venv/bin/python benchmarks/state.py``; writes ``benchmarks/results/state.json``.
+Usage: ``.venv/bin/python benchmarks/state.py [--huge-pages]``; writes
+``benchmarks/results/state.json`` (``state-huge-pages.json`` with ``--huge-pages``: kernels
+started with ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``, see ``docs/branching.md``).
 """
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import statistics
@@ -76,7 +79,7 @@ async def changes_rows(ex: kx.AsyncKernelExecutor) -> list[dict[str, object]]:
 
 async def atomic_row(ex: kx.AsyncKernelExecutor) -> dict[str, object]:
     s = await ex.session("big")
-    await s.run_code("blob = bytearray(100 * 1024 * 1024)")
+    await s.run_code("blob = bytearray(b\"\\x01\") * (100 * 1024 * 1024)  # pages touched")
     plain: list[float] = []
     atomic: list[float] = []
     failed: list[float] = []
@@ -96,10 +99,15 @@ async def atomic_row(ex: kx.AsyncKernelExecutor) -> dict[str, object]:
 
 
 async def main() -> None:
-    async with kx.AsyncKernelExecutor(default_timeout=60) as ex:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--huge-pages", action="store_true")
+    huge = parser.parse_args().huge_pages
+    env = {"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"} if huge else {}
+    async with kx.AsyncKernelExecutor(default_timeout=60, env_vars=env) as ex:
         rows = await changes_rows(ex)
         rows.append(await atomic_row(ex))
-    RESULTS.write_text(json.dumps({"rows": rows}, indent=2) + "\n")
+    path = RESULTS.with_name("state-huge-pages.json") if huge else RESULTS
+    path.write_text(json.dumps({"huge_pages": huge, "rows": rows}, indent=2) + "\n")
     for row in rows:
         print(row)
 
