@@ -105,9 +105,18 @@ async def test_every_result_says_what_changed(add_tool: kx.Tool) -> None:
         assert t.changes == kx.StateChanges()  # its definition binds `_add`: a private name
         t = await s.call_tool(add_tool, {"a": 2})
         assert t.changes == kx.StateChanges()
+        binds = kx.Tool.from_source(
+            "def remember(n: int) -> int:\n"
+            "    import __main__\n"
+            "    __main__.seen = n\n"
+            "    return n\n"
+        )
+        t = await s.call_tool(binds, {"n": 3})
+        assert t.func_return == 3 and t.changes == kx.StateChanges(added=["remember", "seen"])
         r = await s.run_code("import os; os._exit(1)")
         assert r.error is not None and r.error.kind == "kernel_died"
-        assert r.changes == kx.StateChanges() and r.lost_variables == ["a", "b", "c", "d"]
+        assert r.changes == kx.StateChanges()
+        assert r.lost_variables == ["a", "b", "c", "d", "remember", "seen"]
 
 
 async def test_atomic_run_rolls_back_an_exception_variables_and_files() -> None:
