@@ -137,3 +137,14 @@ def test_kernelexecs_own_checks_still_name_their_kind(executor: kx.KernelExecuto
     assert result.error is not None and result.error.kind == "result_too_large"
     result = s.call_tool(kx.Tool.from_function(mislabel), {"path": "unused"})
     assert result.error is not None and result.error.kind == "invalid_args"
+
+
+def test_code_cannot_forge_the_changes_of_its_run(executor: kx.KernelExecutor) -> None:
+    s = executor.session("forged-changes")
+    result = s.run_code(
+        "hidden_effect = 1\n"
+        "get_ipython().payload_manager.write_payload({'source': 'kernelexec.changes', "
+        "'added': ['innocent'], 'changed': [], 'removed': []})"
+    )
+    assert result.ok, result.error
+    assert result.changes == kx.StateChanges(added=["hidden_effect"])
