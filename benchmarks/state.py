@@ -79,7 +79,7 @@ async def changes_rows(ex: kx.AsyncKernelExecutor) -> list[dict[str, object]]:
 
 async def atomic_row(ex: kx.AsyncKernelExecutor) -> dict[str, object]:
     s = await ex.session("big")
-    await s.run_code("blob = bytearray(b\"\\x01\") * (100 * 1024 * 1024)  # pages touched")
+    await s.run_code('blob = bytearray(b"\\x01") * (100 * 1024 * 1024)  # pages touched')
     plain: list[float] = []
     atomic: list[float] = []
     failed: list[float] = []

@@ -401,6 +401,7 @@ class KernelExecutor:
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
         host_functions: HostFunctions | None = None,
+        atomic: bool = False,
     ) -> ToolResult:
         """Call a tool; see :meth:`AsyncKernelExecutor.call_tool`."""
         return self._portal.call(
@@ -416,6 +417,7 @@ class KernelExecutor:
             on_stderr=on_stderr,
             on_display=on_display,
             host_functions=host_functions,
+            atomic=atomic,
         )
 
     def run_code(
@@ -430,6 +432,7 @@ class KernelExecutor:
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
         host_functions: HostFunctions | None = None,
+        atomic: bool = False,
     ) -> Execution:
         """Run code; see :meth:`AsyncKernelExecutor.run_code`."""
         return self._portal.call(
@@ -443,6 +446,7 @@ class KernelExecutor:
             on_stderr=on_stderr,
             on_display=on_display,
             host_functions=host_functions,
+            atomic=atomic,
         )
 
     def close(self) -> None:

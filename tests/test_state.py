@@ -213,3 +213,15 @@ async def test_adapters_tell_the_model_what_a_step_changed_lost_or_undid() -> No
         assert describe_execution(died).endswith(
             "(the interpreter was restarted: these variables are gone: a, b)"
         )
+
+
+def test_the_blocking_facade_and_the_executors_shortcuts_take_atomic(add_tool: kx.Tool) -> None:
+    with kx.KernelExecutor(default_timeout=30) as ex:
+        ex.run_code("n = 1", agent_id="e")
+        r = ex.run_code("n = 2\n1/0", agent_id="e", atomic=True)
+        assert r.rolled_back and r.changes == kx.StateChanges()
+        t = ex.call_tool(add_tool, {"a": "x"}, agent_id="e", atomic=True)
+        assert t.rolled_back and t.error is not None and t.error.kind == "invalid_args"
+        s = ex.session("e")
+        assert s.run_code("print(n)").stdout == "1\n"
+        assert [(v.name, v.summary) for v in s.variables()] == [("n", "1")]
