@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import signal
 import sys
-from itertools import compress, islice
-from operator import ne
 import threading
 import time
 import types
+from itertools import compress, islice
+from operator import ne
 from typing import Any
 
 MODULE_NAME = "__kernelexec_namespace__"
@@ -89,7 +89,7 @@ class Tracker:
             removed: Any = ()
             changed: Any = compress(names, map(ne, ids, map(id, islice(ns.values(), kept))))
         else:
-            was = dict(zip(names, ids))
+            was = dict(zip(names, ids))  # noqa: B905 - same length; kernels may predate 3.10
             added = ns.keys() - was.keys()
             removed = was.keys() - ns.keys()
             changed = [n for n, v in ns.items() if n in was and was[n] != id(v)]
