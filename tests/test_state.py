@@ -3,6 +3,7 @@ listing (bounded whatever the values do), the changes on every result, atomic ru
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from .test_branching import _OtherBackend
 pytestmark = pytest.mark.anyio
 
 HOSTILE = """
+import asyncio
 import time
 
 class Hangs:
@@ -225,3 +227,28 @@ def test_the_blocking_facade_and_the_executors_shortcuts_take_atomic(add_tool: k
         s = ex.session("e")
         assert s.run_code("print(n)").stdout == "1\n"
         assert [(v.name, v.summary) for v in s.variables()] == [("n", "1")]
+
+
+async def test_an_atomic_run_its_caller_cancels_is_rolled_back() -> None:
+    async with kx.AsyncKernelExecutor(default_timeout=60) as ex:
+        s = await ex.session("atomic-cancel")
+        await s.run_code("data = [1]")
+        started = asyncio.Event()
+
+        async def on_stdout(text: str) -> None:
+            started.set()
+
+        run = asyncio.ensure_future(
+            s.run_code(
+                "data.append(2)\nspoilt = True\nprint('go', flush=True)\n"
+                "import time\ntime.sleep(60)",
+                atomic=True,
+                on_stdout=on_stdout,
+            )
+        )
+        await started.wait()
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        check = await s.run_code("print(data, 'spoilt' in globals())")
+        assert check.stdout == "[1] False\n"

@@ -166,9 +166,20 @@ class SessionBranches:
     async def after_atomic(self, session: AsyncSession, snap: AsyncSnapshot, ran: Ran) -> Ran:
         """End an atomic run: a failed one is rolled back to ``snap`` (the kernel put back,
         the working directory's files too), a successful one kept; ``snap`` is freed."""
+        if ran.error is None:
+            await finish_shielded(snap.aclose())
+            return ran
+        problem = await self.undo(session, snap)
+        if problem is not None:
+            return _not_rolled_back(ran, problem)
+        return dataclasses.replace(
+            ran, rolled_back=True, changes=StateChanges(), kernel_restarted=False, lost_variables=[]
+        )
+
+    async def undo(self, session: AsyncSession, snap: AsyncSnapshot) -> str | None:
+        """Put ``session`` (held by the caller) back to ``snap`` and free it: None when it
+        was, else why it could not be."""
         try:
-            if ran.error is None:
-                return ran
             if not snap.template.alive():
                 # The snapshot is a fork of the kernel and dies with it (PR_SET_PDEATHSIG,
                 # the launcher's reaping): a kernel that died took the way back with it.
@@ -178,19 +189,13 @@ class SessionBranches:
                 conn = session.lease.connection
                 if conn is not None and isinstance(session.workdir, Path):
                     await conn.enter_workdir(str(session.workdir))
-                return _not_rolled_back(ran, "the snapshot ended with the kernel")
+                return "the snapshot ended with the kernel"
             try:
                 await self.restore(session, snap)
             except (BranchError, KernelStartError, TreeLimitError) as exc:
-                return _not_rolled_back(ran, str(exc))
+                return str(exc)
             log.info("agent %r: failed atomic run rolled back", session.agent_id)
-            return dataclasses.replace(
-                ran,
-                rolled_back=True,
-                changes=StateChanges(),
-                kernel_restarted=False,
-                lost_variables=[],
-            )
+            return None
         finally:
             await finish_shielded(snap.aclose())
 

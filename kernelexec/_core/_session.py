@@ -258,7 +258,8 @@ class AsyncSession:
                 them (a list: module ``tools``; or a dict of module name -> functions).
             atomic: All or nothing: the session is snapshotted first, and if the run ends in
                 an error (an exception, a timeout) its variables and working-directory
-                files are put back as they were, with ``rolled_back=True`` on the result. A
+                files are put back as they were, with ``rolled_back=True`` on the result
+                (also when the caller cancels it or an output callback raises). A
                 run that kills its kernel takes the snapshot with it: its error then says it
                 was not rolled back. Effects outside the session (network, host calls) are
                 not undone.
@@ -287,21 +288,21 @@ class AsyncSession:
                     ran = await guard.after_atomic(self, snap, ran)
                     snap = None
             except asyncio.CancelledError:
-                await _drop(snap)
-                self._raise_if_closed_under_us()
+                self._raise_if_closed_under_us()  # (closing the executor frees snapshots)
                 await finish_shielded(
                     self._record_cancelled(
                         kind="code", code=code, started=started, timeout_s=timeout
                     )
                 )
+                await self._undo_cancelled(guard, snap)
                 raise
             except CallbackFailed as failed:
-                await _drop(snap)
                 await finish_shielded(
                     self._record_cancelled(
                         failed, kind="code", code=code, started=started, timeout_s=timeout
                     )
                 )
+                await self._undo_cancelled(guard, snap)
                 raise _callers_error(failed) from None
             execution = results.execution(ran)
             problem = await self._observe("code", execution, started, timeout, ran, {"code": code})
@@ -384,7 +385,6 @@ class AsyncSession:
                         ran = await guard.after_atomic(self, snap, ran)
                         snap = None
                 except asyncio.CancelledError:
-                    await _drop(snap)
                     self._raise_if_closed_under_us()
                     await finish_shielded(
                         self._record_cancelled(
@@ -396,9 +396,9 @@ class AsyncSession:
                             timeout_s=timeout,
                         )
                     )
+                    await self._undo_cancelled(guard, snap)
                     raise
                 except CallbackFailed as failed:
-                    await _drop(snap)
                     await finish_shielded(
                         self._record_cancelled(
                             failed,
@@ -410,6 +410,7 @@ class AsyncSession:
                             timeout_s=timeout,
                         )
                     )
+                    await self._undo_cancelled(guard, snap)
                     raise _callers_error(failed) from None
                 full = results.tool_result(
                     ran, agent_state=agent_state, fingerprint=self.fingerprint
@@ -502,6 +503,21 @@ class AsyncSession:
             self._state.check()
             with telemetry().span("session.restore", self._span_attributes()):
                 await branches.restore(self, snap)
+
+    async def _undo_cancelled(
+        self, guard: SessionBranches | None, snap: AsyncSnapshot | None
+    ) -> None:
+        """An atomic run its caller cancelled (or whose output hook raised) is rolled back
+        too: all or nothing."""
+        if guard is None or snap is None:
+            return
+        problem = await finish_shielded(guard.undo(self, snap))
+        if problem is not None:
+            log.warning(
+                "agent %r: a cancelled atomic run was not rolled back: %s",
+                self.agent_id,
+                untrusted(problem),
+            )
 
     def _atomic_guard(self) -> SessionBranches:
         """What makes a run atomic; refused before anything runs where it cannot be."""
@@ -840,12 +856,6 @@ class AsyncSession:
         if reply.report is not None:
             self._lease.update_names(reply.report.names)
         return results.run_error(out, reply, timeout, tool_call=tool_call), reply.report, lost
-
-
-async def _drop(snap: AsyncSnapshot | None) -> None:
-    """Free an atomic run's snapshot on a way out that does not roll back."""
-    if snap is not None:
-        await finish_shielded(snap.aclose())
 
 
 def _callers_error(failed: CallbackFailed) -> Exception:
