@@ -336,6 +336,7 @@ async def test_tools_state_tool_errors_and_images(
             "run_python",
             "list_sessions",
             "reset_session",
+            "variables",
             "fork",
             "snapshot",
             "restore",
@@ -344,7 +345,7 @@ async def test_tools_state_tool_errors_and_images(
         }
         run_schema = listed["run_python"].input_schema
         assert run_schema["required"] == ["code"]
-        assert set(run_schema["properties"]) == {"code", "session", "timeout"}
+        assert set(run_schema["properties"]) == {"code", "session", "timeout", "atomic"}
         assert listed["run_python"].output_schema is not None
         add = listed["add"]
         assert add.description == "Add two numbers."
