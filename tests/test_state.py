@@ -252,3 +252,24 @@ async def test_an_atomic_run_its_caller_cancels_is_rolled_back() -> None:
             await run
         check = await s.run_code("print(data, 'spoilt' in globals())")
         assert check.stdout == "[1] False\n"
+
+
+def test_a_class_whose_metaclass_hangs_on_every_attribute_is_still_listed() -> None:
+    with kx.KernelExecutor(default_timeout=30) as ex:
+        s = ex.session("meta")
+        s.run_code(
+            "import time\n"
+            "class Meta(type):\n"
+            "    def __getattribute__(cls, name):\n"
+            "        time.sleep(60)\n"
+            "class Sly(metaclass=Meta):\n"
+            "    pass\n"
+            "sly = Sly()\n"
+            "inside = [sly]\n"
+        )
+        started = time.monotonic()
+        v = by_name(s.variables())
+        assert time.monotonic() - started < 2.0
+        assert v["Sly"].summary == "<class Sly>" and v["Sly"].type == "__main__.Meta"
+        assert v["inside"].summary == "[<Sly object>]"
+        assert v["sly"].type == "__main__.Sly"

@@ -134,10 +134,7 @@ def listing(shell: Any, mime: str) -> _Listing:
 
 def _entry(name: str, value: Any, budget: list[float]) -> dict[str, Any]:
     cls = type(value)
-    try:
-        type_name = f"{cls.__module__}.{cls.__qualname__}"
-    except Exception:
-        type_name = "?"
+    type_name = f"{_module(cls)}.{_qualname(cls)}"
     summary, size = _builtin(value)
     if summary is None:
         summary, size = _foreign(value, cls, budget)
@@ -176,7 +173,7 @@ def _brief(value: Any, depth: int) -> str:
         room = SUMMARY_CHARS if depth == 0 else 40
         return repr(value[:room]) + ("\u2026" if len(value) > room else "")
     if cls not in _CONTAINERS:
-        return f"<{cls.__qualname__} object>"
+        return f"<{_qualname(cls)} object>"
     n = len(value)
     if depth >= 2 and n:
         return f"<{cls.__name__} of {n} items>"
@@ -206,8 +203,8 @@ def _brief(value: Any, depth: int) -> str:
 def _foreign(value: Any, cls: type, budget: list[float]) -> tuple[str, int | None]:
     """A summary of any other value: a known shape (a DataFrame, an array) or its repr, run
     under the deadline."""
-    module = getattr(cls, "__module__", "") or ""
-    name = cls.__qualname__
+    module = _module(cls)
+    name = _qualname(cls)
     if module.startswith(("pandas.", "numpy")) and name in ("DataFrame", "Series", "ndarray"):
         try:
             shape = value.shape
@@ -225,14 +222,35 @@ def _foreign(value: Any, cls: type, budget: list[float]) -> tuple[str, int | Non
 
 
 def _name_of(value: Any) -> str:
-    name = getattr(type(value), "__qualname__", "?")
+    if isinstance(value, type):
+        return _qualname(value)
     try:
         got = value.__name__ if isinstance(value, types.ModuleType) else value.__qualname__
-        if isinstance(got, str):
-            name = got
     except Exception:
-        pass
-    return name
+        got = None
+    return got if isinstance(got, str) else _qualname(type(value))
+
+
+# A class's names read through ``type``'s own descriptors: a metaclass's ``__getattribute__``
+# (the user's code) does not run.
+_TYPE_QUALNAME = type.__dict__["__qualname__"]
+_TYPE_MODULE = type.__dict__["__module__"]
+
+
+def _qualname(cls: type) -> str:
+    try:
+        name = _TYPE_QUALNAME.__get__(cls)
+    except Exception:
+        return "?"
+    return name if isinstance(name, str) else "?"
+
+
+def _module(cls: type) -> str:
+    try:
+        name = _TYPE_MODULE.__get__(cls)
+    except Exception:
+        return "?"
+    return name if isinstance(name, str) else "?"
 
 
 def _bounded_repr(value: Any, name: str, budget: list[float]) -> str:
