@@ -273,3 +273,20 @@ def test_a_class_whose_metaclass_hangs_on_every_attribute_is_still_listed() -> N
         assert v["Sly"].summary == "<class Sly>" and v["Sly"].type == "__main__.Meta"
         assert v["inside"].summary == "[<Sly object>]"
         assert v["sly"].type == "__main__.Sly"
+
+
+def test_changes_work_in_branches_and_their_hooks_do_not_pile_up() -> None:
+    hooks = "print(len(get_ipython().events.callbacks['pre_execute']))"
+    with kx.KernelExecutor() as ex:
+        s = ex.session("branched")
+        s.run_code("a = 1")
+        (child,) = s.fork()
+        (grandchild,) = child.fork()
+        assert child.run_code(hooks).stdout == grandchild.run_code(hooks).stdout
+        assert grandchild.run_code("b = 2\na = 3").changes == kx.StateChanges(
+            added=["b"], changed=["a"]
+        )
+        snap = s.snapshot()
+        s.restore(snap)
+        snap.close()
+        assert s.run_code("c = 1").changes == kx.StateChanges(added=["c"])

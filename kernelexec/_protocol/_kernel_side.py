@@ -288,8 +288,10 @@ def install() -> None:
     shell.events.register("post_execute", lambda: tuning.wait_for_fd_output(readers, polled))
     namespace = _load_module(NAMESPACE_MODULE_NAME, cfg.get(INSTALL_NAMESPACE_SOURCE))
     if namespace is not None:
-        _state["tracker"] = namespace.Tracker(shell)
-        shell.events.register("pre_execute", _state["tracker"].before)
+        tracker = _state["tracker"] = namespace.Tracker(shell)
+        # A function of this module: a branch drops this module's hooks before installing it
+        # again (a bound method of the tracker's would stay, and run twice).
+        shell.events.register("pre_execute", lambda: tracker.before())
     shell.events.register("pre_execute", lambda: budget.reset(_run_id()))
     shell.events.register("pre_execute", lambda: _state.pop("verdict", None))
     shell.events.register("pre_execute", configure)
