@@ -54,6 +54,18 @@ _PLAIN_CODE = (
 )
 
 
+def text(value: str) -> str:
+    """``value`` as text a reply can carry: a lone surrogate (``globals()['\\udc80']``) would
+    make the kernel fail to send the reply at all, so it is written as its escape."""
+    if value.isascii():
+        return value
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        return value.encode("utf-8", "backslashreplace").decode("utf-8")
+    return value
+
+
 def visible(name: str, hidden: Any) -> bool:
     """Whether ``name`` is one the user's code bound (not IPython's, not kernelexec's)."""
     return not name.startswith("_") and name not in _HIDDEN and name not in hidden
@@ -96,9 +108,9 @@ class Tracker:
         hidden = self._shell.user_ns_hidden
         return {
             "source": CHANGES_PAYLOAD,
-            "added": sorted(n for n in added if visible(n, hidden)),
-            "changed": sorted(n for n in changed if visible(n, hidden)),
-            "removed": sorted(n for n in removed if visible(n, hidden)),
+            "added": sorted(text(n) for n in added if visible(n, hidden)),
+            "changed": sorted(text(n) for n in changed if visible(n, hidden)),
+            "removed": sorted(text(n) for n in removed if visible(n, hidden)),
         }
 
 
@@ -138,7 +150,12 @@ def _entry(name: str, value: Any, budget: list[float]) -> dict[str, Any]:
     summary, size = _builtin(value)
     if summary is None:
         summary, size = _foreign(value, cls, budget)
-    return {"name": name, "type": type_name, "summary": _cut(summary), "size_bytes": size}
+    return {
+        "name": text(name),
+        "type": text(type_name),
+        "summary": text(_cut(summary)),
+        "size_bytes": size,
+    }
 
 
 def _cut(text: str) -> str:

@@ -519,11 +519,15 @@ def user_names() -> list[str]:
     """Names the user (or a tool) defined in the interactive namespace."""
     ip = _ip()
     hidden = ip.user_ns_hidden
-    return sorted(
+    names = sorted(
         name
         for name in ip.user_ns
         if not name.startswith("_") and name not in hidden and name not in _HIDDEN
     )
+    if not all(map(str.isascii, names)) and NAMESPACE_MODULE_NAME in sys.modules:
+        # A name with a lone surrogate would stop the reply from being sent at all.
+        names = sorted(map(sys.modules[NAMESPACE_MODULE_NAME].text, names))
+    return names
 
 
 class _Report:
