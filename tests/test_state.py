@@ -188,6 +188,10 @@ async def test_atomic_is_refused_before_anything_runs_where_snapshots_are_not_of
         with pytest.raises(kx.BranchingNotSupportedError, match="'other' backend"):
             await s.run_code(f"open({str(marker)!r}, 'w')", atomic=True)
         assert not marker.exists()
+        assert ex.kernel_count == 0  # refused before a kernel was started
+        await s.run_code("x = 1")  # a kernel of that backend exists now: refused all the same
+        with pytest.raises(kx.BranchingNotSupportedError, match="'other' backend"):
+            await s.call_tool(kx.Tool.from_source("def f() -> int:\n    return 1\n"), atomic=True)
     try:
         bwrap = kx.AsyncKernelExecutor(isolation="bwrap")
     except kx.ConfigError:

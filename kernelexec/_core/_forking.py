@@ -26,7 +26,13 @@ from kernelexec._branching._family import AsyncSnapshot, Brancher
 from kernelexec._core._budget import KernelBudget
 from kernelexec._core._results import Ran
 from kernelexec._core._startup import make_ready, shutdown_fully
-from kernelexec._exceptions import BranchError, KernelStartError, PoolExhaustedError, TreeLimitError
+from kernelexec._exceptions import (
+    BranchError,
+    BranchingNotSupportedError,
+    KernelStartError,
+    PoolExhaustedError,
+    TreeLimitError,
+)
 from kernelexec._models import StateChanges
 from kernelexec._protocol import _kernel_side as kernel_side
 from kernelexec._protocol._host import ExecuteRequest
@@ -158,6 +164,13 @@ class SessionBranches:
             BranchingNotSupportedError: naming the isolation level or the backend.
         """
         self.brancher.check(session.lease.connection, session.isolation.level, self._backend)
+        if session.lease.connection is None and self._backend != "local":
+            # Refused before a kernel is even started (a kernel of another backend is refused
+            # by the check above once it exists).
+            raise BranchingNotSupportedError(
+                f"sessions of the {self._backend!r} backend cannot be snapshotted, so atomic "
+                "runs are not offered (only local kernels at isolation 'none' or 'process')"
+            )
 
     async def before_atomic(self, session: AsyncSession) -> AsyncSnapshot:
         """The snapshot an atomic run of ``session`` (held by the caller) can go back to."""
