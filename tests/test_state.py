@@ -294,3 +294,21 @@ def test_changes_work_in_branches_and_their_hooks_do_not_pile_up() -> None:
         s.restore(snap)
         snap.close()
         assert s.run_code("c = 1").changes == kx.StateChanges(added=["c"])
+
+
+def test_a_recorded_rolled_back_step_replays_as_it_happened(tmp_path: Path) -> None:
+    import nbformat
+
+    with kx.KernelExecutor(record_dir=tmp_path) as ex:
+        s = ex.session("rec")
+        s.run_code("data = [1]")
+        undone = s.run_code("data.append(2)\nraise ValueError('no')", atomic=True)
+        assert undone.rolled_back
+        assert s.run_code("print(data)").stdout == "[1]\n"
+    nb = nbformat.read(tmp_path / "rec.ipynb", as_version=4)
+    meta = [c.metadata["kernelexec"] for c in nb.cells]
+    assert meta[1]["rolled_back"] is True
+    assert not meta[2]["fresh_kernel"]  # the restored kernel continues the recorded one
+    report = kx.replay(tmp_path / "rec.ipynb")
+    assert report.ok, report.differences
+    assert report.cells_run == 3

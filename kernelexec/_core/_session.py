@@ -308,6 +308,7 @@ class AsyncSession:
             problem = await self._observe("code", execution, started, timeout, ran, {"code": code})
             if problem is not None:
                 execution = execution.model_copy(update={"recording_error": problem})
+            self._continued(ran)
         return without_host_call_outputs(execution) if self._recorder else execution
 
     @traced_call("call_tool")
@@ -419,6 +420,7 @@ class AsyncSession:
             problem = await self._observe("tool_call", full, started, timeout, ran, call)
             if problem is not None:
                 full = full.model_copy(update={"recording_error": problem})
+            self._continued(ran)
         if not recording:
             return full
         # The return value was displayed only for the notebook; the result is the same whether
@@ -512,12 +514,20 @@ class AsyncSession:
         if guard is None or snap is None:
             return
         problem = await finish_shielded(guard.undo(self, snap))
+        if problem is None and self._recorder is not None:
+            self._recorder.continued(self._lease.generation)
         if problem is not None:
             log.warning(
                 "agent %r: a cancelled atomic run was not rolled back: %s",
                 self.agent_id,
                 untrusted(problem),
             )
+
+    def _continued(self, ran: Ran) -> None:
+        """After a rollback the restored kernel continues the recorded state (not a fresh
+        kernel that replay would restart)."""
+        if ran.rolled_back and self._recorder is not None:
+            self._recorder.continued(self._lease.generation)
 
     def _atomic_guard(self) -> SessionBranches:
         """What makes a run atomic; refused before anything runs where it cannot be."""
