@@ -67,7 +67,9 @@ if _typing.TYPE_CHECKING:
         Isolation,
         Limits,
         Restored,
+        StateChanges,
         ToolResult,
+        Variable,
     )
     from kernelexec._replay import CellDifference, ReplayReport, areplay
     from kernelexec._sync import KernelExecutor, Session, Snapshot, replay
@@ -127,6 +129,8 @@ _EXPORTS: dict[str, str] = {
     "ReplayReport": "kernelexec._replay",
     "RequirementsMissingError": "kernelexec._exceptions",
     "Restored": "kernelexec._models",
+    "StateChanges": "kernelexec._models",
+    "Variable": "kernelexec._models",
     "Session": "kernelexec._sync",
     "SessionCommands": "kernelexec._files._blocking",
     "SessionFileError": "kernelexec._exceptions",
@@ -232,12 +236,14 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "SessionFiles",
     "SetupCodeError",
     "Snapshot",
+    "StateChanges",
     "StateError",
     "Tool",
     "ToolDefinitionError",
     "ToolResult",
     "ToolSchemaWarning",
     "TreeLimitError",
+    "Variable",
     "VenvEnv",
     "__version__",
     "areplay",

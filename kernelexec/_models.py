@@ -301,6 +301,62 @@ class HibernatedAgent(BaseModel):
     age_s: float = 0.0
 
 
+class Variable(BaseModel):
+    """One of the user's variables in a session's kernel (``AsyncSession.variables``).
+
+    Attributes:
+        name: The name the user's code bound.
+        type: The value's qualified type name, such as ``"builtins.int"``.
+        summary: At most 200 characters: a bounded repr (``"'abc'"``), a shape
+            (``"DataFrame 1000x5"``, ``"list of 3 items"``), or what stopped one (a repr that
+            raised, or ran out of time).
+        size_bytes: The object's own size (``sys.getsizeof`` for builtin values, ``nbytes``
+            for arrays), not counting what it refers to; None where measuring it would run
+            the value's own code.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    name: str
+    type: str
+    summary: str
+    size_bytes: int | None = None
+
+
+class StateChanges(BaseModel):
+    """What a run did to the session's names (``Execution.changes``), each list sorted; the
+    same names as :meth:`AsyncSession.variables` lists.
+
+    Attributes:
+        added: Names bound by the run that were not bound before it.
+        changed: Names bound to another object than before the run (a list changed in
+            place keeps its object: it is not listed).
+        removed: Names bound before the run and not after it.
+    """
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
+    added: list[str] = Field(default_factory=list)
+    changed: list[str] = Field(default_factory=list)
+    removed: list[str] = Field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.added or self.changed or self.removed)
+
+    def describe(self) -> str:
+        """One short line for a model: ``"added x, y; changed z"`` (``"no names changed"``)."""
+        parts = [
+            f"{what} {', '.join(names)}"
+            for what, names in (
+                ("added", self.added),
+                ("changed", self.changed),
+                ("removed", self.removed),
+            )
+            if names
+        ]
+        return "; ".join(parts) or "no names changed"
+
+
 class Execution(BaseModel):
     """The outcome of running code in a kernel.
 
@@ -329,6 +385,10 @@ class Execution(BaseModel):
         restored: Set on the first result after the session's state was restored from its
             ``state_dir`` into a fresh kernel: what came back (names that did not are in
             ``lost_variables``).
+        changes: The names the run added, rebound and removed (all empty when it changed
+            none, or when it was rolled back).
+        rolled_back: True when the run was atomic (``atomic=True``) and failed: the
+            session's variables and working-directory files are as they were before it.
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -348,6 +408,8 @@ class Execution(BaseModel):
     widgets_dropped: int = 0
     host_calls: list[HostCall] = Field(default_factory=list)
     restored: Restored | None = None
+    changes: StateChanges = Field(default_factory=StateChanges)
+    rolled_back: bool = False
 
     @property
     def ok(self) -> bool:

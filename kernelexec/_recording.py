@@ -138,8 +138,17 @@ class SessionRecorder:
             self._defined.clear()
         return fresh
 
+    def continued(self, generation: int) -> None:
+        """The kernel ``generation`` continues the recorded state: a rollback put the state of
+        before an atomic run back (replay rolls that run back too, and restarts nothing).
+        Tools are defined again in the next cells that call them (the rolled-back run may
+        have defined them)."""
+        self._recorded_generation = generation
+        self._defined.clear()
+
     def _meta(self, kind: str, record: RunRecord, fresh: bool) -> dict[str, Any]:
         error = record.result.error
+        extra = {"rolled_back": True} if record.result.rolled_back else {}
         return {
             "kind": kind,
             "agent_id": self.agent_id,
@@ -150,6 +159,7 @@ class SessionRecorder:
             "finished": record.finished,
             "timeout_s": record.timeout_s,
             "fresh_kernel": fresh,
+            **extra,
         }
 
     def _cell(

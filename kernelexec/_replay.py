@@ -154,8 +154,9 @@ async def areplay(
     Cells recorded by kernelexec are re-run with the
     timeout they had, and the kernel is
     restarted where the recorded session got a fresh kernel, so a recorded timeout or lost
-    state replays as it happened. Calls that were rejected before running are skipped, and so are
-    calls their caller cancelled (how far they got cannot be reproduced). A cell whose code
+    state replays as it happened; a cell whose atomic run was rolled back is run atomically.
+    Calls that were rejected before running are skipped, and so are calls their caller
+    cancelled (how far they got cannot be reproduced). A cell whose code
     called host functions (code mode) gets them back as stubs answering as recorded, unless
     ``host_functions`` are given: then those are exposed and really run.
 
@@ -234,7 +235,10 @@ async def areplay(
             if host_functions is None and every_call:
                 stubs = recorded_stubs(cell.outputs, every_call)
             result = await session.run_code(
-                cell.source, timeout=timeout, host_functions=stubs or None
+                cell.source,
+                timeout=timeout,
+                host_functions=stubs or None,
+                atomic=bool(meta.get("rolled_back")),  # undone when recorded: undone again
             )
             ran = True
             report.cells_run += 1

@@ -30,7 +30,7 @@ from kernelexec._core._state import Lifecycle
 from kernelexec._envs._builder import ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._files._blocking import SessionCommands, SessionFiles
-from kernelexec._models import Execution, Hibernation, Isolation, ToolResult
+from kernelexec._models import Execution, Hibernation, Isolation, ToolResult, Variable
 from kernelexec._public import public
 from kernelexec._replay import ReplayReport, areplay
 from kernelexec._tools._tool import Tool
@@ -215,6 +215,7 @@ class Session:
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
         host_functions: HostFunctions | None = None,
+        atomic: bool = False,
     ) -> Execution:
         """Run code in the session's kernel; see :meth:`AsyncSession.run_code`."""
         return self._portal.call(
@@ -226,6 +227,7 @@ class Session:
             on_stderr=on_stderr,
             on_display=on_display,
             host_functions=host_functions,
+            atomic=atomic,
         )
 
     def call_tool(
@@ -240,6 +242,7 @@ class Session:
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
         host_functions: HostFunctions | None = None,
+        atomic: bool = False,
     ) -> ToolResult:
         """Call a tool; see :meth:`AsyncSession.call_tool`."""
         return self._portal.call(
@@ -253,11 +256,13 @@ class Session:
             on_stderr=on_stderr,
             on_display=on_display,
             host_functions=host_functions,
+            atomic=atomic,
         )
 
-    def variables(self) -> dict[str, dict[str, str]]:
-        """The user's variables in the kernel; see :meth:`AsyncSession.variables`."""
-        return self._portal.call(self._inner.variables)
+    def variables(self, timeout: float = 10.0) -> list[Variable]:
+        """The user's variables in the kernel (name, type, bounded summary, size); see
+        :meth:`AsyncSession.variables`."""
+        return self._portal.call(self._inner.variables, timeout)
 
     def interrupt(self) -> None:
         """Interrupt the running code; see :meth:`AsyncSession.interrupt`."""
@@ -396,6 +401,7 @@ class KernelExecutor:
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
         host_functions: HostFunctions | None = None,
+        atomic: bool = False,
     ) -> ToolResult:
         """Call a tool; see :meth:`AsyncKernelExecutor.call_tool`."""
         return self._portal.call(
@@ -411,6 +417,7 @@ class KernelExecutor:
             on_stderr=on_stderr,
             on_display=on_display,
             host_functions=host_functions,
+            atomic=atomic,
         )
 
     def run_code(
@@ -425,6 +432,7 @@ class KernelExecutor:
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
         host_functions: HostFunctions | None = None,
+        atomic: bool = False,
     ) -> Execution:
         """Run code; see :meth:`AsyncKernelExecutor.run_code`."""
         return self._portal.call(
@@ -438,6 +446,7 @@ class KernelExecutor:
             on_stderr=on_stderr,
             on_display=on_display,
             host_functions=host_functions,
+            atomic=atomic,
         )
 
     def close(self) -> None:

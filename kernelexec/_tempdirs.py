@@ -100,10 +100,17 @@ def remove_tree(path: str) -> None:
     """Remove the tree at ``path`` (:func:`kernelexec._trees.remove`: however deep or wide,
     nothing followed), first detaching what is mounted at or under it (a capped directory,
     :mod:`kernelexec._sandbox._disk`); errors are logged, never raised (a sweep goes on)."""
-    real = os.path.realpath(path)
-    below = [p for p, _, _ in mount_points() if p == real or p.startswith(real + "/")]
-    for point in sorted(below, key=len, reverse=True):
-        detach(point)
+    # The last name is not resolved: a tenant that owns it may have made it a link (to /dev,
+    # say), and what is mounted there is not this tree's.
+    real = os.path.join(os.path.realpath(os.path.dirname(path) or "."), os.path.basename(path))
+    try:
+        is_dir = stat.S_ISDIR(os.lstat(real).st_mode)
+    except OSError:
+        is_dir = False
+    if is_dir:
+        below = [p for p, _, _ in mount_points() if p == real or p.startswith(real + "/")]
+        for point in sorted(below, key=len, reverse=True):
+            detach(point)
     try:
         _trees.remove(path)
     except OSError as exc:
@@ -111,12 +118,13 @@ def remove_tree(path: str) -> None:
 
 
 def detach(point: str) -> int:
-    """Detach the mount at ``point`` (``umount2`` with ``MNT_DETACH``); 0, or the errno."""
+    """Detach the mount at ``point`` (``umount2`` with ``MNT_DETACH``, never following a link
+    at its last name: ``UMOUNT_NOFOLLOW``); 0, or the errno."""
     import ctypes
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.umount2.argtypes = (ctypes.c_char_p, ctypes.c_int)
-    return 0 if libc.umount2(point.encode(), 2) == 0 else ctypes.get_errno()
+    return 0 if libc.umount2(point.encode(), 2 | 8) == 0 else ctypes.get_errno()
 
 
 def owner_of(path: str) -> tuple[int, str] | None:

@@ -22,8 +22,11 @@ removed with a few descriptors.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
+import functools
 import os
+import secrets
 import stat
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -39,7 +42,8 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
 _CHUNK = 1 << 20
-_PASSES = 64  # removal passes over a tree the tenant keeps refilling, before giving up
+_PASSES = 64  # removal passes that removed nothing, before giving up on a tree
+_LINKED_MAX = 256  # files with several links a copy remembers (a descriptor each) to link again
 
 
 @dataclass(frozen=True)
@@ -177,7 +181,6 @@ def copy(
     *,
     where: str = "",
     skip_top: frozenset[str] = frozenset(),
-    owner: int | None = None,
     outside_links: bool = True,
     whiteouts: bool = False,
     xattrs: tuple[str, ...] = (),
@@ -187,9 +190,10 @@ def copy(
     caller keeps both). Directories, plain files (holes kept; one with several links inside
     the tree copied once and linked) and symbolic links (as links, never followed) are copied;
     FIFOs, sockets and devices are left out, except overlayfs's whiteouts (the character device
-    0:0) where ``whiteouts`` is set. Modes are kept without set-id bits; what is made belongs to
-    ``owner`` (uid and gid) when given. With ``outside_links=False`` a file that also has links
-    outside the tree is left out (a link planted to a host file never reaches a tenant).
+    0:0) where ``whiteouts`` is set. Modes are kept without set-id bits (what is made is the
+    host's; a hand-over gives it to a kernel's user). With ``outside_links=False`` a file that
+    also has links outside the tree is left out (a link planted to a host file never reaches a
+    tenant).
     The extended attributes ``xattrs`` of directories are kept. With ``skip_too_deep`` what
     lies past the depth bound is left out (named) rather than refused.
 
@@ -204,7 +208,7 @@ def copy(
         done.skipped[entry.rel + "/"] = f"deeper than {bounds.depth} levels (not copied)"
 
     too_deep = deep if skip_too_deep else None
-    inside = {} if outside_links else _links_inside(src, bounds, where, skip_top, too_deep)
+    inside = None if outside_links else _links_inside(src, bounds, where, skip_top, too_deep)
     linked: dict[tuple[int, int], tuple[int, str]] = {}
     targets = [os.dup(dst)]
     try:
@@ -218,9 +222,6 @@ def copy(
                 entry.descend = False
                 continue
             done.entries += 1
-            if owner is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.chown(entry.name, owner, owner, dir_fd=here, follow_symlinks=False)
             if entry.is_dir:
                 _copy_xattrs(entry, here, xattrs)
                 try:
@@ -255,7 +256,7 @@ def _copy_entry(
     done: Copied,
     bounds: Bounds,
     where: str,
-    inside: dict[tuple[int, int], int],
+    inside: dict[tuple[int, int], int] | None,
     linked: dict[tuple[int, int], tuple[int, str]],
     whiteouts: bool,
 ) -> str | None:
@@ -276,7 +277,7 @@ def _copy_entry(
         if not stat.S_ISREG(st.st_mode):
             return "a FIFO, socket or device (not copied)"
         key = (st.st_dev, st.st_ino)
-        if st.st_nlink > 1 and not inside.get(key, st.st_nlink) >= st.st_nlink:
+        if inside is not None and st.st_nlink > 1 and inside.get(key, 0) < st.st_nlink:
             return "a file with links outside the tree (not copied)"
         if key in linked and st.st_nlink > 1:
             first_dir, first_name = linked[key]
@@ -284,11 +285,11 @@ def _copy_entry(
                     follow_symlinks=False)  # fmt: skip
             return None
         written = copy_file(entry.parent, name, here, name, mode, done.data, bounds.data,
-                            where or entry.rel)  # fmt: skip
+                            where or entry.rel, expect=key)  # fmt: skip
         if written is None:
             return "swapped for something else while copied (not copied)"
         done.data += written
-        if st.st_nlink > 1:
+        if st.st_nlink > 1 and len(linked) < _LINKED_MAX:  # past it, later links are copies
             linked[key] = (os.dup(here), name)
         return None
     except FileExistsError:
@@ -312,10 +313,12 @@ def copy_file(
     spent: int = 0,
     limit: int | None = None,
     where: str = "",
+    *,
+    expect: tuple[int, int] | None = None,
 ) -> int | None:
     """Copy the plain file ``name`` of ``src_dir`` to a new file ``dst_name`` of ``dst_dir``
     with its holes; the data bytes written, or None when it is not a plain file by the time it
-    is opened.
+    is opened (or, with ``expect``, not the file of that device and inode).
 
     Raises:
         TreeLimitError: ``spent`` and its data pass ``limit`` bytes (the new file is removed).
@@ -325,6 +328,8 @@ def copy_file(
         st = os.fstat(source)
         if not stat.S_ISREG(st.st_mode):
             return None
+        if expect is not None and (st.st_dev, st.st_ino) != expect:
+            return None  # swapped since it was walked
         out = os.open(dst_name, _NEW, mode, dir_fd=dst_dir)
         try:
             written = _copy_data(source, out, st.st_size, spent, limit, where or name)
@@ -352,7 +357,7 @@ def data_segments(fd: int, size: int) -> Iterator[tuple[int, int]]:
             raise
         if start >= size:
             return
-        end = min(os.lseek(fd, start, os.SEEK_HOLE), size)
+        end = max(min(os.lseek(fd, start, os.SEEK_HOLE), size), start + 1)
         yield start, end
         offset = end
 
@@ -418,10 +423,38 @@ def change_owners(
         st = entry.st
         if not which(st) or (not entry.is_dir and st.st_nlink > 1):
             continue
-        with contextlib.suppress(FileNotFoundError):
-            os.chown(entry.name, to, to, dir_fd=entry.parent, follow_symlinks=False)
+        if _change_owner(entry, to, which):
             changed += 1
     return changed
+
+
+_AT_EMPTY_PATH = 0x1000
+
+
+def _change_owner(entry: Entry, to: int, which: Callable[[os.stat_result], bool]) -> bool:
+    """Give ``entry`` to ``to`` if, once opened (``O_PATH``, the link itself), it is still the
+    entry walked and still passes the checks: a name swapped meanwhile (for a hard link to a
+    host file, say) changes no owner."""
+    try:
+        fd = os.open(entry.name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=entry.parent)
+    except OSError:
+        return False
+    try:
+        st = os.fstat(fd)
+        same = (st.st_dev, st.st_ino) == (entry.st.st_dev, entry.st.st_ino)
+        if not same or not which(st) or (not stat.S_ISDIR(st.st_mode) and st.st_nlink > 1):
+            return False
+        return bool(_libc().fchownat(fd, b"", to, to, _AT_EMPTY_PATH) == 0)
+    finally:
+        os.close(fd)
+
+
+@functools.lru_cache(maxsize=1)
+def _libc() -> ctypes.CDLL:
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.fchownat.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_uint, ctypes.c_uint,
+                              ctypes.c_int)  # fmt: skip
+    return libc
 
 
 def _leave(_entry: Entry) -> None:
@@ -442,26 +475,32 @@ def signature(
 def clear(top: int, *, keep: frozenset[str] = frozenset(), depth: int = MAX_DEPTH) -> None:
     """Remove everything under the directory ``top`` (a descriptor) but the names ``keep`` at
     its top, however deep or wide: a directory past ``depth`` levels is moved up to the top
-    and removed in a later pass. Nothing is followed.
+    and removed from there, so a few descriptors remove any tree. Nothing is followed.
 
     Raises:
-        OSError: the tree could not be emptied (the tenant refilled it faster than it was
+        OSError: the tree could not be emptied (the tenant refilled it as fast as it was
             removed, or an entry could not be removed).
     """
-    for _ in range(_PASSES):
-        if not _clear_pass(top, keep, depth):
+    idle = 0
+    while idle < _PASSES:
+        left, removed = _clear_pass(top, keep, depth)
+        if not left:
             return
+        idle = 0 if removed else idle + 1
     raise OSError(errno.ENOTEMPTY, "the tree kept changing while it was removed")
 
 
-def _clear_pass(top: int, keep: frozenset[str], depth: int) -> bool:
-    """One pass of :func:`clear`; whether anything is left to remove. Each frame holds a
-    directory's descriptor, the names still to remove in it and the name of the directory
-    below it being walked."""
-    left = False
-    moved = 0
+def _clear_pass(top: int, keep: frozenset[str], depth: int) -> tuple[bool, int]:
+    """One pass of :func:`clear`: whether anything is left, and how many entries went. Each
+    frame holds a directory's descriptor, the names still to remove in it and the name of the
+    directory below it being walked; a directory moved up joins the top's names."""
+    left, removed = False, 0
     first = os.dup(top)
-    frames: list[tuple[int, list[str], str]] = [(first, os.listdir(first), "")]
+    try:
+        frames: list[tuple[int, list[str], str]] = [(first, os.listdir(first), "")]
+    except BaseException:
+        os.close(first)
+        raise
     try:
         while frames:
             fd, names, _ = frames[-1]
@@ -471,6 +510,7 @@ def _clear_pass(top: int, keep: frozenset[str], depth: int) -> bool:
                 if frames:
                     try:
                         os.rmdir(frames[-1][2], dir_fd=frames[-1][0])
+                        removed += 1
                     except OSError as exc:
                         if exc.errno != errno.ENOENT:
                             left = True
@@ -485,12 +525,17 @@ def _clear_pass(top: int, keep: frozenset[str], depth: int) -> bool:
             if not stat.S_ISDIR(st.st_mode):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(name, dir_fd=fd)
+                    removed += 1
                 continue
             if len(frames) > depth:
-                moved += 1
-                aside = f".kx-deep-{os.getpid()}-{moved}-{st.st_ino}"
-                os.rename(name, aside, src_dir_fd=fd, dst_dir_fd=top)
-                left = True
+                aside = f".kx-deep-{secrets.token_hex(8)}"
+                try:
+                    os.rename(name, aside, src_dir_fd=fd, dst_dir_fd=top)
+                    frames[0][1].append(aside)
+                except FileNotFoundError:
+                    pass
+                except OSError:
+                    left = True
                 continue
             try:
                 child = open_dir(fd, name)
@@ -507,7 +552,7 @@ def _clear_pass(top: int, keep: frozenset[str], depth: int) -> bool:
     finally:
         for fd, _, _ in frames:
             os.close(fd)
-    return left
+    return left, removed
 
 
 def remove(path: str | os.PathLike[str]) -> None:

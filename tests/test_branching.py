@@ -379,3 +379,14 @@ def test_blocking_facade() -> None:
         assert s.run_code("print(x)").stdout == "5\n"
         snap.close()
         assert snap.closed
+
+
+def test_a_branch_does_not_mistake_kernelexecs_own_threads_for_the_users() -> None:
+    # Launched without the fork server, ipykernel captures the kernel's fds and kernelexec's
+    # kernel side reads them on threads of its own: a branch has its own, and must not warn.
+    with kx.KernelExecutor(backend=LocalBackend(fork_server=False)) as ex:
+        s = ex.session("fds")
+        s.run_code("x = 1")
+        (child,) = s.fork()
+        first = child.run_code("print(x)")
+        assert first.stdout == "1\n" and first.stderr == "", first.stderr

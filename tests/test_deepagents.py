@@ -121,7 +121,7 @@ def test_agent_state_carries_from_step_to_step_in_one_kernel(executor: kx.Kernel
         state = agent.invoke({"messages": [{"role": "user", "content": "go"}]})
         outputs = _tool_outputs(state)
         assert state["messages"][-1].content == "done"
-        assert outputs[1] == "42" and outputs[2] == "42"
+        assert outputs[1] == "42\n(variables added n)" and outputs[2] == "42"
         assert "42" in outputs[3]
         assert "42" in outputs[4] and "exit code 3" in outputs[4].lower().replace("_", " ")
         got = sandbox.download_files([f"{root}/n.txt", f"{root}/missing", "rel.txt"])

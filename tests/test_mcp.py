@@ -367,6 +367,7 @@ async def test_tools_state_tool_errors_and_images(
             "run_python",
             "list_sessions",
             "reset_session",
+            "variables",
             "fork",
             "snapshot",
             "restore",
@@ -375,7 +376,7 @@ async def test_tools_state_tool_errors_and_images(
         }
         run_schema = listed["run_python"].input_schema
         assert run_schema["required"] == ["code"]
-        assert set(run_schema["properties"]) == {"code", "session", "timeout"}
+        assert set(run_schema["properties"]) == {"code", "session", "timeout", "atomic"}
         assert listed["run_python"].output_schema is not None
         add = listed["add"]
         assert add.description == "Add two numbers."
@@ -727,3 +728,32 @@ def test_the_http_server_is_stopped_when_its_start_is_not_seen_in_time(server_tm
     ):
         pass
     assert server_children() - before == set()
+
+
+async def test_variables_tool_changes_and_atomic_runs(server_tmp: Path, tmp_path: Path) -> None:
+    log = tmp_path / "server.log"
+    async with stdio_session(server_tmp, errlog=log) as (client, pid):
+        first = await client.call_tool("run_python", {"code": "rows = [1, 2]\nname = 'kx'"})
+        assert first.structured_content["changes"] == {
+            "added": ["name", "rows"],
+            "changed": [],
+            "removed": [],
+        }
+        assert "[changes] added name, rows" in text_of(first)
+        failed = await client.call_tool(
+            "run_python", {"code": "rows.append(3)\nextra = 1\n1/0", "atomic": True}
+        )
+        assert failed.is_error and failed.structured_content["rolled_back"] is True
+        assert "rolled back" in text_of(failed)
+        listed = await client.call_tool("variables", {})
+        assert not listed.is_error, text_of(listed)
+        found = listed.structured_content["variables"]
+        assert [(v["name"], v["type"], v["summary"]) for v in found] == [
+            ("name", "builtins.str", "'kx'"),
+            ("rows", "builtins.list", "[1, 2]"),
+        ]
+        assert all(isinstance(v["size_bytes"], int) for v in found)
+        assert "rows: builtins.list = [1, 2]" in text_of(listed)
+        kernels = kernels_of(pid)
+        family = {p.pid for k in kernels for p in psutil.Process(k).children(recursive=True)}
+    assert not wait_exited({pid} | kernels | family), log.read_text()

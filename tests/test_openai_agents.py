@@ -88,7 +88,8 @@ async def test_agent_state_carries_from_step_to_step_in_one_kernel(
         assert "seeded" in outputs[0]
         if os.geteuid() == 0 and executor.config.isolation == "process":
             assert f"\n{os.geteuid()}\n" not in outputs[0]  # the kernel's own uid, not root
-        assert int(outputs[1]) != os.getpid()
+        assert outputs[1].splitlines()[1] == "(variables added n, os)"
+        assert int(outputs[1].splitlines()[0]) != os.getpid()
         assert outputs[2] == "42" and "42" in outputs[3]
     finally:
         await client.aclose()

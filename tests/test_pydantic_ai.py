@@ -135,7 +135,9 @@ async def test_agent_state_carries_from_step_to_step_in_one_kernel() -> None:
         assert result.output == "done"
         returns = _returns(result.all_messages())
         assert returns[0] == "0:"
-        kernel_pid = int(returns[1])
+        pid_line, state = returns[1].splitlines()
+        assert state == "(variables added n, os)"  # one line on what the step bound
+        kernel_pid = int(pid_line)
         assert kernel_pid != os.getpid()
         assert returns[2:] == ["42", "0:6\n"]
         shell_parent = await workspace.run(["sh", "-c", "ps -o ppid= -p $(cat shell.pid) || true"])
@@ -183,10 +185,11 @@ async def test_python_errors_reach_the_model_and_timeouts_interrupt(
         )
         result = await Agent(model, toolsets=[tool]).run("go", workspace=workspace)
         returns = _returns(result.all_messages())
-        # The whole traceback, plain (issue 36: the last line only, no line number).
+        # The whole traceback, plain (issue 36: the last line only, no line number), and what
+        # the run bound (issue 38).
         assert "\x1b" not in returns[0]
         assert "----> 2 1 / 0" in returns[0]
-        assert returns[0].endswith("ZeroDivisionError: division by zero")
+        assert returns[0].endswith("ZeroDivisionError: division by zero\n(variables added x)")
         assert "imeout" in returns[1] or "KeyboardInterrupt" in returns[1], returns[1]
         assert returns[2] == "2"  # an interrupt keeps the kernel and its variables
     finally:

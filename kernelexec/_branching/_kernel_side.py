@@ -68,7 +68,8 @@ def install() -> None:
 
 
 def _kernel_thread_ids() -> set[int | None]:
-    """Threads that belong to the kernel's machinery (ipykernel, zmq, tornado, IPython)."""
+    """Threads that belong to the kernel's machinery (ipykernel, zmq, tornado, IPython,
+    kernelexec's kernel side)."""
     ids: set[int | None] = set()
     for thread in threading.enumerate():
         module = type(thread).__module__ or ""
@@ -78,6 +79,7 @@ def _kernel_thread_ids() -> set[int | None]:
             thread is threading.main_thread()
             or module.split(".")[0] in ("ipykernel", "zmq", "tornado", "IPython", "jupyter_client")
             or target.split(".")[0] in ("ipykernel", "zmq", "tornado", "IPython")
+            or target.startswith("__kernelexec")  # the kernel side's own (fd readers)
             or name in ("Control", "Shell channel", "IOPub")
         ):
             ids.add(thread.ident)

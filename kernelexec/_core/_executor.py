@@ -542,6 +542,7 @@ class AsyncKernelExecutor:
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
         host_functions: HostFunctions | None = None,
+        atomic: bool = False,
     ) -> ToolResult:
         """Call a tool in the session of ``agent_id``; see :meth:`AsyncSession.call_tool`.
 
@@ -561,6 +562,7 @@ class AsyncKernelExecutor:
             on_stderr=on_stderr,
             on_display=on_display,
             host_functions=host_functions,
+            atomic=atomic,
         )
 
     async def run_code(
@@ -575,6 +577,7 @@ class AsyncKernelExecutor:
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
         host_functions: HostFunctions | None = None,
+        atomic: bool = False,
     ) -> Execution:
         """Run code in the session of ``agent_id`` (in ``env``, default: the executor's);
         see :meth:`AsyncSession.run_code`."""
@@ -587,6 +590,7 @@ class AsyncKernelExecutor:
             on_stderr=on_stderr,
             on_display=on_display,
             host_functions=host_functions,
+            atomic=atomic,
         )
 
     async def aclose(self) -> None:

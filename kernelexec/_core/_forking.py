@@ -21,10 +21,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kernelexec import _trees
+from kernelexec._aio import finish_shielded
 from kernelexec._branching._family import AsyncSnapshot, Brancher
 from kernelexec._core._budget import KernelBudget
+from kernelexec._core._results import Ran
 from kernelexec._core._startup import make_ready, shutdown_fully
-from kernelexec._exceptions import PoolExhaustedError
+from kernelexec._exceptions import (
+    BranchError,
+    BranchingNotSupportedError,
+    KernelStartError,
+    PoolExhaustedError,
+    TreeLimitError,
+)
+from kernelexec._models import StateChanges
 from kernelexec._protocol import _kernel_side as kernel_side
 from kernelexec._protocol._host import ExecuteRequest
 from kernelexec._sandbox._users import LAYERS
@@ -146,6 +155,63 @@ class SessionBranches:
         if snap.setup_ran:
             session.setup_inherited()  # restored exactly: setup_code is not run over it
 
+    # -- atomic runs ---------------------------------------------------------------------------
+
+    def check_atomic(self, session: AsyncSession) -> None:
+        """Refuse an atomic run, before anything runs, where snapshots are not offered.
+
+        Raises:
+            BranchingNotSupportedError: naming the isolation level or the backend.
+        """
+        self.brancher.check(session.lease.connection, session.isolation.level, self._backend)
+        if session.lease.connection is None and self._backend != "local":
+            # Refused before a kernel is even started (a kernel of another backend is refused
+            # by the check above once it exists).
+            raise BranchingNotSupportedError(
+                f"sessions of the {self._backend!r} backend cannot be snapshotted, so atomic "
+                "runs are not offered (only local kernels at isolation 'none' or 'process')"
+            )
+
+    async def before_atomic(self, session: AsyncSession) -> AsyncSnapshot:
+        """The snapshot an atomic run of ``session`` (held by the caller) can go back to."""
+        return await self.snapshot(session)
+
+    async def after_atomic(self, session: AsyncSession, snap: AsyncSnapshot, ran: Ran) -> Ran:
+        """End an atomic run: a failed one is rolled back to ``snap`` (the kernel put back,
+        the working directory's files too), a successful one kept; ``snap`` is freed."""
+        if ran.error is None:
+            await finish_shielded(snap.aclose())
+            return ran
+        problem = await self.undo(session, snap)
+        if problem is not None:
+            return _not_rolled_back(ran, problem)
+        return dataclasses.replace(
+            ran, rolled_back=True, changes=StateChanges(), kernel_restarted=False, lost_variables=[]
+        )
+
+    async def undo(self, session: AsyncSession, snap: AsyncSnapshot) -> str | None:
+        """Put ``session`` (held by the caller) back to ``snap`` and free it: None when it
+        was, else why it could not be."""
+        try:
+            if not snap.template.alive():
+                # The snapshot is a fork of the kernel and dies with it (PR_SET_PDEATHSIG,
+                # the launcher's reaping): a kernel that died took the way back with it.
+                await finish_shielded(snap.aclose())
+                # Freeing it shut the dead kernel down for good, which handed the working
+                # directory back from its user: give it to the kernel that replaced it.
+                conn = session.lease.connection
+                if conn is not None and isinstance(session.workdir, Path):
+                    await conn.enter_workdir(str(session.workdir))
+                return "the snapshot ended with the kernel"
+            try:
+                await self.restore(session, snap)
+            except (BranchError, KernelStartError, TreeLimitError) as exc:
+                return str(exc)
+            log.info("agent %r: failed atomic run rolled back", session.agent_id)
+            return None
+        finally:
+            await finish_shielded(snap.aclose())
+
     # -- internals ---------------------------------------------------------------------------
 
     async def _kernel(self, session: AsyncSession) -> KernelConnection:
@@ -183,6 +249,16 @@ class SessionBranches:
                     await shutdown_fully(conn)
             raise
         return made
+
+
+def _not_rolled_back(ran: Ran, why: str) -> Ran:
+    """A failed atomic run that could not be undone: its error says so."""
+    if ran.error is None:
+        return ran
+    note = f" [kernelexec: this atomic run was NOT rolled back: {why}]"
+    return dataclasses.replace(
+        ran, error=ran.error.model_copy(update={"evalue": ran.error.evalue + note})
+    )
 
 
 def copy_workdir(source: Path, target: Path) -> None:

@@ -12,7 +12,15 @@ from typing import Any, Literal
 
 from kernelexec._core._outputs import Collected
 from kernelexec._core._run import RunOutcome
-from kernelexec._models import ErrorKind, ExecError, Execution, HostCall, Restored, ToolResult
+from kernelexec._models import (
+    ErrorKind,
+    ExecError,
+    Execution,
+    HostCall,
+    Restored,
+    StateChanges,
+    ToolResult,
+)
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol import _kernel_side as kernel_side
 
@@ -32,6 +40,9 @@ class Ran:
         host_calls: The run's calls to host functions.
         restored: What a restore brought back before the run.
         duration_s: Seconds from the call to its end.
+        changes: The names the run added, rebound and removed (none: it reported none, or
+            its kernel was lost).
+        rolled_back: An atomic run failed and the session was put back as it was before it.
     """
 
     error: ExecError | None
@@ -44,6 +55,8 @@ class Ran:
     host_calls: list[HostCall] = field(default_factory=list)
     restored: Restored | None = None
     duration_s: float = 0.0
+    changes: StateChanges = field(default_factory=StateChanges)
+    rolled_back: bool = False
 
 
 def execution(ran: Ran) -> Execution:
@@ -111,6 +124,8 @@ def _fields(ran: Ran) -> dict[str, Any]:
         "host_calls": ran.host_calls,
         "restored": ran.restored,
         "duration_s": ran.duration_s,
+        "changes": ran.changes,
+        "rolled_back": ran.rolled_back,
     }
 
 

@@ -53,7 +53,9 @@ from kernelexec._models import (
     HostCall,
     Isolation,
     RunRecord,
+    StateChanges,
     ToolResult,
+    Variable,
     now_iso,
 )
 from kernelexec._observability._logtext import untrusted
@@ -241,6 +243,7 @@ class AsyncSession:
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
         host_functions: HostFunctions | None = None,
+        atomic: bool = False,
     ) -> Execution:
         """Run code in the session's kernel, like a notebook cell.
 
@@ -253,6 +256,17 @@ class AsyncSession:
             on_display: Called with each display_data output dict as it arrives.
             host_functions: Host functions for this run only, as :meth:`expose` would make
                 them (a list: module ``tools``; or a dict of module name -> functions).
+            atomic: All or nothing: the session is snapshotted first, and if the run ends in
+                an error (an exception, a timeout) its variables and working-directory
+                files are put back as they were, with ``rolled_back=True`` on the result
+                (also when the caller cancels it or an output callback raises). A
+                run that kills its kernel takes the snapshot with it: its error then says it
+                was not rolled back. Effects outside the session (network, host calls) are
+                not undone.
+
+        Raises:
+            BranchingNotSupportedError: ``atomic=True`` where snapshots are not offered
+                (``isolation="bwrap"``, a remote backend); nothing ran.
         """
         if not isinstance(code, str):
             raise TypeError(f"code must be str, not {type(code).__name__}")
@@ -263,18 +277,24 @@ class AsyncSession:
         once = one_call(host_functions)
         run = CodeRun(code, env_vars)
         callbacks = Callbacks(on_stdout, on_stderr, on_display)
+        guard = self._atomic_guard() if atomic else None
         async with self._lease.hold():
             self._state.check()
+            snap = await guard.before_atomic(self) if guard is not None else None
             started = now_iso()
             try:
                 ran = await self._execute(run, timeout, callbacks, once)
+                if guard is not None and snap is not None:
+                    ran = await guard.after_atomic(self, snap, ran)
+                    snap = None
             except asyncio.CancelledError:
-                self._raise_if_closed_under_us()
+                self._raise_if_closed_under_us()  # (closing the executor frees snapshots)
                 await finish_shielded(
                     self._record_cancelled(
                         kind="code", code=code, started=started, timeout_s=timeout
                     )
                 )
+                await self._undo_cancelled(guard, snap)
                 raise
             except CallbackFailed as failed:
                 await finish_shielded(
@@ -282,11 +302,13 @@ class AsyncSession:
                         failed, kind="code", code=code, started=started, timeout_s=timeout
                     )
                 )
+                await self._undo_cancelled(guard, snap)
                 raise _callers_error(failed) from None
             execution = results.execution(ran)
             problem = await self._observe("code", execution, started, timeout, ran, {"code": code})
             if problem is not None:
                 execution = execution.model_copy(update={"recording_error": problem})
+            self._continued(ran)
         return without_host_call_outputs(execution) if self._recorder else execution
 
     @traced_call("call_tool")
@@ -302,6 +324,7 @@ class AsyncSession:
         on_stderr: OutputCallback | None = None,
         on_display: OutputCallback | None = None,
         host_functions: HostFunctions | None = None,
+        atomic: bool = False,
     ) -> ToolResult:
         """Call a tool with JSON arguments; they are validated first and sent as data.
 
@@ -317,6 +340,12 @@ class AsyncSession:
             on_display: Called with each display_data output dict as it arrives.
             host_functions: Host functions the tool may call, for this call only (see
                 :meth:`run_code`).
+            atomic: All or nothing, as for :meth:`run_code`: a failed call leaves the
+                session as it was (``rolled_back=True``).
+
+        Raises:
+            BranchingNotSupportedError: ``atomic=True`` where snapshots are not offered;
+                nothing ran.
         """
         if not isinstance(tool, Tool):
             raise TypeError(f"tool must be a kernelexec.Tool, not {type(tool).__name__}")
@@ -329,6 +358,7 @@ class AsyncSession:
         if problem:
             problems.append(problem)
         recording = self._recorder is not None
+        guard = self._atomic_guard() if atomic else None
         async with self._lease.hold():
             self._state.check()
             started = now_iso()
@@ -336,7 +366,9 @@ class AsyncSession:
                 full = results.rejected(
                     problems, agent_state=agent_state, fingerprint=self.fingerprint
                 )
-                ran = Ran(full.error, Collected(), self._lease.generation)
+                if atomic:  # nothing ran: the session is as it was
+                    full = full.model_copy(update={"rolled_back": True})
+                ran = Ran(full.error, Collected(), self._lease.generation, rolled_back=atomic)
             else:
                 run = ToolCall(
                     tool,
@@ -347,8 +379,12 @@ class AsyncSession:
                     display=recording,
                 )
                 callbacks = Callbacks(on_stdout, on_stderr, on_display)
+                snap = await guard.before_atomic(self) if guard is not None else None
                 try:
                     ran = await self._execute(run, timeout, callbacks, once)
+                    if guard is not None and snap is not None:
+                        ran = await guard.after_atomic(self, snap, ran)
+                        snap = None
                 except asyncio.CancelledError:
                     self._raise_if_closed_under_us()
                     await finish_shielded(
@@ -361,6 +397,7 @@ class AsyncSession:
                             timeout_s=timeout,
                         )
                     )
+                    await self._undo_cancelled(guard, snap)
                     raise
                 except CallbackFailed as failed:
                     await finish_shielded(
@@ -374,6 +411,7 @@ class AsyncSession:
                             timeout_s=timeout,
                         )
                     )
+                    await self._undo_cancelled(guard, snap)
                     raise _callers_error(failed) from None
                 full = results.tool_result(
                     ran, agent_state=agent_state, fingerprint=self.fingerprint
@@ -382,6 +420,7 @@ class AsyncSession:
             problem = await self._observe("tool_call", full, started, timeout, ran, call)
             if problem is not None:
                 full = full.model_copy(update={"recording_error": problem})
+            self._continued(ran)
         if not recording:
             return full
         # The return value was displayed only for the notebook; the result is the same whether
@@ -393,20 +432,26 @@ class AsyncSession:
         ]
         return full.model_copy(update={"outputs": outputs, "result": None})
 
-    async def variables(self, timeout: float = 10.0) -> dict[str, dict[str, str]]:
-        """The user's variables in the session's kernel: name -> ``{"type", "repr"}``.
+    async def variables(self, timeout: float = 10.0) -> list[Variable]:
+        """The user's variables in the session's kernel, sorted by name: each one's name,
+        qualified type, a summary of at most 200 characters and its size.
 
-        Waits for the running call (if any), never starts a kernel (empty when none is
-        attached) and is not recorded. Reprs are cut at 120 characters.
+        Lists the names the user's code (or a tool) bound, not IPython's (``In``, ``Out``,
+        ``exit``, ...), kernelexec's, or names starting with ``_``. A value's own
+        ``__repr__`` runs only under a deadline (builtin values are summarised without
+        one): one that hangs, raises or returns megabytes still gets an entry, its summary
+        saying so, and the whole listing answers within about a second. Waits for the
+        running call (if any), never starts a kernel (empty when none is attached) and is
+        not recorded.
         """
         async with self._lease.hold():
             self._state.check()
             conn = self._lease.connection
             if conn is None:
-                return {}
+                return []
             out = await run_internal(conn, protocol.VARIABLES, timeout)
         if out.died or out.timed_out or out.reply is None:
-            return {}
+            return []
         return protocol.read_variables(out.reply)
 
     async def fork(self, n: int = 1) -> list[AsyncSession]:
@@ -460,6 +505,40 @@ class AsyncSession:
             self._state.check()
             with telemetry().span("session.restore", self._span_attributes()):
                 await branches.restore(self, snap)
+
+    async def _undo_cancelled(
+        self, guard: SessionBranches | None, snap: AsyncSnapshot | None
+    ) -> None:
+        """An atomic run its caller cancelled (or whose output hook raised) is rolled back
+        too: all or nothing."""
+        if guard is None or snap is None:
+            return
+        problem = await finish_shielded(guard.undo(self, snap))
+        if problem is None and self._recorder is not None:
+            self._recorder.continued(self._lease.generation)
+        if problem is not None:
+            log.warning(
+                "agent %r: a cancelled atomic run was not rolled back: %s",
+                self.agent_id,
+                untrusted(problem),
+            )
+
+    def _continued(self, ran: Ran) -> None:
+        """After a rollback the restored kernel continues the recorded state (not a fresh
+        kernel that replay would restart)."""
+        if ran.rolled_back and self._recorder is not None:
+            self._recorder.continued(self._lease.generation)
+
+    def _atomic_guard(self) -> SessionBranches:
+        """What makes a run atomic; refused before anything runs where it cannot be."""
+        self._state.check()
+        if self._branches is None:
+            raise BranchingNotSupportedError(
+                f"atomic runs need snapshots, which sessions of the {self.backend!r} backend "
+                "do not offer; nothing ran"
+            )
+        self._branches.check_atomic(self)
+        return self._branches
 
     def _need_branches(self) -> SessionBranches:
         self._state.check()
@@ -636,6 +715,7 @@ class AsyncSession:
             host_calls=calls,
             restored=restored,
             duration_s=time.monotonic() - start,
+            changes=out.read().changes if lost is None else StateChanges(),
         )
         self._current = None  # the result owns its outputs now
         return ran

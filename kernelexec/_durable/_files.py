@@ -59,6 +59,11 @@ def archive(workdir: Path, dest: Path, limit: int) -> tuple[int, int, dict[str, 
                 why = _add(tar, raw, entry, limit)
                 if why:
                     skipped[entry.rel] = why
+                if raw.tell() > limit:  # headers count too (long names, many directories)
+                    raise CheckpointTooLargeError(
+                        f"the working directory's archive passes max_checkpoint_bytes={limit} "
+                        "(its directories and names alone); nothing was saved"
+                    )
             raw.flush()
             os.fsync(raw.fileno())
     finally:
@@ -129,7 +134,10 @@ def extract(source: Path, workdir: Path, size: int, crc: int) -> str | None:
             return "the working directory's archive is damaged; its files were not restored"
         with tarfile.open(source, mode="r") as tar:
             for member in tar:
-                _unpack(tar, member, top)
+                try:
+                    _unpack(tar, member, top)
+                except OSError as exc:  # a name taken meanwhile, a link on the way
+                    return f"the working directory's files were restored in part: {exc}"
     finally:
         os.close(top)
     return None
@@ -161,6 +169,7 @@ def _unpack(tar: tarfile.TarFile, member: tarfile.TarInfo, top: int) -> None:
             with open(out, "wb") as f:
                 while chunk := data.read(1 << 20):
                     f.write(chunk)
-            os.utime(name, (member.mtime, member.mtime), dir_fd=here, follow_symlinks=False)
+                f.flush()
+                os.utime(f.fileno(), (member.mtime, member.mtime))
     finally:
         os.close(here)

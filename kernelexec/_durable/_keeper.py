@@ -312,9 +312,21 @@ class SessionState:
         """Commit what the kernel side checkpointed after a call (None: the namespace did not
         change; the working directory may have)."""
         if not isinstance(answer, dict):
-            if self._files is None or _files.signature(self.workdir) == self._files[0]:
+            if self._files is None or self._manifest is None or self._manifest.unfinished:
                 return
-            if self._manifest is None or self._manifest.unfinished:
+            try:
+                same = await asyncio.to_thread(_files.signature, self.workdir) == self._files[0]
+            except OSError as exc:  # a tree past the walk's bounds, an unreadable directory
+                log.warning(
+                    "agent %r: after-call checkpoint failed (checkpoints stop until the "
+                    "session's next kernel): %s",
+                    self.agent_id,
+                    untrusted(exc),
+                )
+                await asyncio.to_thread(self._invalidate)
+                self._hook_broken = True
+                return
+            if same:
                 return
             answer = {
                 "records": self._manifest.records,

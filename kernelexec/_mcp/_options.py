@@ -12,7 +12,7 @@ from kernelexec._envs._envs import VenvEnv
 from kernelexec._exceptions import ConfigError
 from kernelexec._tools._tool import Tool
 
-BUILTIN_TOOLS = ("run_python", "list_sessions", "reset_session")
+BUILTIN_TOOLS = ("run_python", "list_sessions", "reset_session", "variables")
 TOKEN_ENV = "KERNELEXEC_MCP_TOKEN"
 DEFAULT_IDLE_TIMEOUT = 1800.0
 """Seconds an HTTP MCP session may go without a request (the SDK's own default)."""

@@ -6,7 +6,7 @@ import json
 from typing import Any, Literal
 
 import mcp_types as types
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from kernelexec._models import Execution, ToolResult
 from kernelexec._plaintext import strip_ansi
@@ -38,6 +38,8 @@ class RunPythonResult(BaseModel):
     kernel_restarted: bool
     lost_variables: list[str]
     cancelled: bool = False
+    changes: dict[str, list[str]] = Field(default_factory=dict)
+    rolled_back: bool = False
 
 
 def error_info(execution: Execution) -> ErrorInfo | None:
@@ -97,9 +99,13 @@ def _text_block(
     if error is not None:
         head = f"[error: {error.kind}] {error.name}: {strip_ansi(error.message)}"
         parts.append(f"{head}\n{error.traceback}" if error.traceback else head)
-    if execution.kernel_restarted:
+    if execution.rolled_back:
+        parts.append("[note] rolled back: the session's variables and files are as before")
+    elif execution.kernel_restarted:
         lost = ", ".join(execution.lost_variables) or "nothing"
         parts.append(f"[note] the kernel was restarted; lost: {lost}")
+    if execution.changes:
+        parts.append(f"[changes] {execution.changes.describe()}")
     if note:
         parts.append(f"[note] {note}")
     return "\n\n".join(parts) if parts else "(no output)"
@@ -126,6 +132,8 @@ def run_python_result(
         kernel_restarted=execution.kernel_restarted,
         lost_variables=execution.lost_variables,
         cancelled=cancelled,
+        changes=execution.changes.model_dump(),
+        rolled_back=execution.rolled_back,
     )
     content: list[types.ContentBlock] = [types.TextContent(type="text", text=text)]
     content.extend(images)

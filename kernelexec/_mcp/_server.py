@@ -38,6 +38,7 @@ from kernelexec._mcp._sessions import ClientConnection, SessionEntry, SessionReg
 from kernelexec._mcp._upstream import Upstream, connect_upstreams, upstream_env
 from kernelexec._models import Execution
 from kernelexec._observability._logtext import untrusted
+from kernelexec._plaintext import strip_ansi
 from kernelexec._tools._tool import Tool
 
 if TYPE_CHECKING:
@@ -62,6 +63,11 @@ RUN_PYTHON_SCHEMA: dict[str, Any] = {
             "type": "number",
             "exclusiveMinimum": 0,
             "description": "Seconds before the run is interrupted.",
+        },
+        "atomic": {
+            "type": "boolean",
+            "description": "All or nothing: if the run fails (an exception, a timeout), the "
+            "session's variables and files are put back as they were before it.",
         },
     },
     "required": ["code"],
@@ -177,6 +183,12 @@ def builtin_tools() -> list[types.Tool]:
             input_schema=_NO_ARGS,
         ),
         types.Tool(
+            name="variables",
+            description="The variables a session's code has defined: name, type, a short "
+            "summary of the value and its size.",
+            input_schema=_SESSION_ONLY,
+        ),
+        types.Tool(
             name="reset_session",
             description="Replace a session's kernel with a fresh one (all its state is lost).",
             input_schema=_SESSION_ONLY,
@@ -242,6 +254,9 @@ def build_server(options: McpOptions, tools: list[Tool]) -> Server[ServerState]:
             if params.name == "list_sessions":
                 _check(args, _NO_ARGS)
                 return _list_sessions(ctx, state)
+            if params.name == "variables":
+                _check(args, _SESSION_ONLY)
+                return await _variables(ctx, state, args.get("session"))
             if params.name == "reset_session":
                 _check(args, _SESSION_ONLY)
                 return await _reset_session(ctx, state, args.get("session"))
@@ -325,13 +340,18 @@ async def _run_python(
     session = await state.registry.session(entry)
     code: str = args["code"]
     timeout: float | None = args.get("timeout")
+    atomic = bool(args.get("atomic", False))
     stream = _Streamer(ctx)
     execution, cancelled = await _guarded(
         entry,
         session,
         state.grace,
         lambda: session.run_code(
-            code, timeout=timeout, on_stdout=stream.stdout, on_stderr=stream.stderr
+            code,
+            timeout=timeout,
+            on_stdout=stream.stdout,
+            on_stderr=stream.stderr,
+            atomic=atomic,
         ),
     )
     return run_python_result(execution, name, cancelled=cancelled)
@@ -450,6 +470,26 @@ def _list_sessions(ctx: Context, state: ServerState) -> types.CallToolResult:
     return types.CallToolResult(
         content=[types.TextContent(type="text", text="\n".join(lines) or "no sessions yet")],
         structured_content={"sessions": rows},
+    )
+
+
+async def _variables(ctx: Context, state: ServerState, name: str | None) -> types.CallToolResult:
+    client = client_of(ctx, state)
+    shown, entry = client.resolve(name)
+    session = await state.registry.session(entry)
+    async with entry.lock:
+        found = await session.variables()
+    lines = [
+        f"{v.name}: {v.type} = {strip_ansi(v.summary)}"
+        + (f" ({v.size_bytes} bytes)" if v.size_bytes is not None else "")
+        for v in found
+    ]
+    return types.CallToolResult(
+        content=[types.TextContent(type="text", text="\n".join(lines) or "no variables")],
+        structured_content={
+            "session": shown,
+            "variables": [v.model_dump(mode="json") for v in found],
+        },
     )
 
 

@@ -19,7 +19,8 @@ from typing import Any, cast
 from pydantic import BaseModel
 
 from kernelexec import _json, _proctitle
-from kernelexec._models import ErrorKind, ExecError
+from kernelexec._models import ErrorKind, ExecError, StateChanges, Variable
+from kernelexec._namespace import _view as view
 from kernelexec._protocol import _kernel_budget as kernel_budget
 from kernelexec._protocol import _kernel_side as kernel_side
 from kernelexec._tools._tool import Tool
@@ -32,6 +33,14 @@ FENCE_REPLY = kernel_side.FENCE_REPLY
 _MODULE = f"__import__({kernel_side.MODULE_NAME!r})"
 REPORT_EXPRESSION = f"{_MODULE}.report()"
 _REPORT = {kernel_side.REPORT_KEY: REPORT_EXPRESSION}
+_NAMESPACE_SOURCE = importlib.resources.files("kernelexec._namespace").joinpath(
+    "_kernel_namespace.py"
+)
+if (view.MODULE_NAME, view.CHANGES_PAYLOAD) != (
+    kernel_side.NAMESPACE_MODULE_NAME,
+    kernel_side.CHANGES_PAYLOAD,
+):  # the kernel side cannot import its companion: the names are spelled twice
+    raise ImportError("kernelexec's kernel side and its namespace module disagree")
 _KERNEL_KINDS: frozenset[str] = frozenset(
     {kernel_side.INVALID_TOOL, kernel_side.INVALID_ARGS, kernel_side.RESULT_TOO_LARGE}
 )
@@ -129,6 +138,7 @@ def bootstrap_request(
                 kernel_side.INSTALL_BUDGET_SOURCE: files.joinpath("_kernel_budget.py").read_text(),
                 kernel_side.INSTALL_TUNING_SOURCE: files.joinpath("_kernel_tuning.py").read_text(),
                 kernel_side.INSTALL_OUTPUT_SOURCE: files.joinpath("_kernel_output.py").read_text(),
+                kernel_side.INSTALL_NAMESPACE_SOURCE: _NAMESPACE_SOURCE.read_text(),
                 "max_output_chars": max_output_chars,
                 "report_expression": REPORT_EXPRESSION,
                 "fast_paths": fast_paths,
@@ -153,24 +163,14 @@ VARIABLES = ExecuteRequest(
     store_history=False,
     user_expressions={VARIABLES_KEY: f"{_MODULE}.variables()"},
 )
-"""Reads the user's variables (name, type, short repr) without running user-visible code."""
+"""Reads the user's variables (name, type, bounded summary, size) without running
+user-visible code."""
 
 
-def read_variables(reply: dict[str, Any]) -> dict[str, dict[str, str]]:
+def read_variables(reply: dict[str, Any]) -> list[Variable]:
     """The variables from the reply to :data:`VARIABLES` (empty when the kernel sent none)."""
     entry = (reply.get("user_expressions") or {}).get(VARIABLES_KEY) or {}
-    text = (entry.get("data") or {}).get(RESULT_MIME)
-    try:
-        data = json.loads(text) if isinstance(text, str) else {}
-    except ValueError:
-        return {}
-    if not isinstance(data, dict):
-        return {}
-    return {
-        str(name): {"type": str(info.get("type", "")), "repr": str(info.get("repr", ""))}
-        for name, info in data.items()
-        if isinstance(info, dict)
-    }
+    return view.read_variables((entry.get("data") or {}).get(RESULT_MIME))
 
 
 @dataclass(frozen=True, slots=True)
@@ -307,6 +307,7 @@ class Reply:
         count: The kernel side's count of the run's output messages (None: no count).
         verdict: Which of kernelexec's own checks in the kernel failed, if one did.
         asked_exit: The code asked the kernel to exit (``exit()``, ``quit()``).
+        changes: The names the run added, rebound and removed (none when not reported).
     """
 
     ok: bool = False
@@ -314,6 +315,7 @@ class Reply:
     count: OutputCount | None = None
     verdict: ErrorKind | None = None
     asked_exit: bool = False
+    changes: StateChanges = view.NO_CHANGES
 
     def failure_kind(self, *, tool_call: bool) -> ErrorKind:
         """The kind of a failed run: for a tool call, what kernelexec's own checks in the
@@ -347,6 +349,7 @@ def read_reply(reply: dict[str, Any] | None) -> Reply:
         count=count,
         verdict=verdict,
         asked_exit=asked_exit,
+        changes=view.read_changes(reply),
     )
 
 

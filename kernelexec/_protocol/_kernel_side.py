@@ -17,7 +17,9 @@ What it does inside the kernel:
 * converts return values to JSON (see :func:`to_jsonable` for the rules) and hands them back
   through ``user_expressions`` in the execute reply, a channel the tool's own prints and displays
   cannot write to;
-* reports the names of user variables after each run, so the host can say what a restart lost;
+* reports the names of user variables after each run, so the host can say what a restart lost,
+  and installs ``_namespace/_kernel_namespace.py`` (sent along): what each run added, rebound
+  and removed rides on its reply, and the variables listing is bounded;
 * says, in the reply's payload, when one of its own checks failed (``ERROR_PAYLOAD``): the
   host classifies errors by that, never by an exception's name, which user code controls, and
   a payload the code wrote there itself is dropped (:func:`_sealed`);
@@ -140,8 +142,16 @@ under."""
 OUTPUT_MODULE_NAME = "__kernelexec_output__"
 """The name ``_kernel_output.py`` (flow control, whole characters) is installed under."""
 
+NAMESPACE_MODULE_NAME = "__kernelexec_namespace__"
+"""The name ``_namespace/_kernel_namespace.py`` (a run's changes, the variables listing) is
+installed under."""
+
+CHANGES_PAYLOAD = "kernelexec.changes"
+"""The ``source`` of the reply payload with a run's changes (the namespace module's)."""
+
 # Keys of the install request's metadata: this module's source and its companions'.
 INSTALL_SOURCE = "source"
+INSTALL_NAMESPACE_SOURCE = "namespace_source"
 INSTALL_BUDGET_SOURCE = "budget_source"
 INSTALL_TUNING_SOURCE = "tuning_source"
 INSTALL_OUTPUT_SOURCE = "output_source"
@@ -185,10 +195,14 @@ def _sealed(payloads: Any) -> list[Any]:
     kept = [
         p
         for p in (payloads if isinstance(payloads, list) else [])
-        if not (isinstance(p, dict) and p.get("source") == ERROR_PAYLOAD)
+        if not (isinstance(p, dict) and p.get("source") in (ERROR_PAYLOAD, CHANGES_PAYLOAD))
     ]
     if kind:
         kept.append({"source": ERROR_PAYLOAD, ERROR_KIND: kind})
+    tracker = _state.get("tracker")
+    changes = tracker.changes() if tracker is not None else None
+    if changes is not None:
+        kept.append(changes)
     return kept
 
 
@@ -272,6 +286,12 @@ def install() -> None:
         _fast_report(cfg["report_expression"])
     polled = [s for s in streams if all(r.stream is not s for r in readers)]
     shell.events.register("post_execute", lambda: tuning.wait_for_fd_output(readers, polled))
+    namespace = _load_module(NAMESPACE_MODULE_NAME, cfg.get(INSTALL_NAMESPACE_SOURCE))
+    if namespace is not None:
+        tracker = _state["tracker"] = namespace.Tracker(shell)
+        # A function of this module: a branch drops this module's hooks before installing it
+        # again (a bound method of the tracker's would stay, and run twice).
+        shell.events.register("pre_execute", lambda: tracker.before())
     shell.events.register("pre_execute", lambda: budget.reset(_run_id()))
     shell.events.register("pre_execute", lambda: _state.pop("verdict", None))
     shell.events.register("pre_execute", configure)
@@ -499,11 +519,15 @@ def user_names() -> list[str]:
     """Names the user (or a tool) defined in the interactive namespace."""
     ip = _ip()
     hidden = ip.user_ns_hidden
-    return sorted(
+    names = sorted(
         name
         for name in ip.user_ns
         if not name.startswith("_") and name not in hidden and name not in _HIDDEN
     )
+    if not all(map(str.isascii, names)) and NAMESPACE_MODULE_NAME in sys.modules:
+        # A name with a lone surrogate would stop the reply from being sent at all.
+        names = sorted(map(sys.modules[NAMESPACE_MODULE_NAME].text, names))
+    return names
 
 
 class _Report:
@@ -526,30 +550,10 @@ def report() -> _Report:
     return _Report()
 
 
-class _Variables:
-    """The user's variables with their types and short reprs, read back by the host."""
-
-    def __init__(self, repr_chars: int) -> None:
-        self._chars = repr_chars
-
-    def __repr__(self) -> str:
-        return "<kernelexec variables>"
-
-    def _repr_mimebundle_(self, include: Any = None, exclude: Any = None) -> dict[str, str]:
-        ns = _ip().user_ns
-        found: dict[str, dict[str, str]] = {}
-        for name in user_names():
-            value = ns[name]
-            text = _safe_repr(value)
-            if len(text) > self._chars:
-                text = text[: self._chars - 1] + "\u2026"
-            found[name] = {"type": type(value).__name__, "repr": text}
-        return {RESULT_MIME: json.dumps(found, ensure_ascii=False)}
-
-
-def variables(repr_chars: int = 120) -> _Variables:
-    """For the host's variables view (``AsyncSession.variables``)."""
-    return _Variables(repr_chars)
+def variables() -> Any:
+    """For the host's variables view (``AsyncSession.variables``): the namespace module's
+    bounded listing."""
+    return sys.modules[NAMESPACE_MODULE_NAME].listing(_ip(), RESULT_MIME)
 
 
 def _define(name: str, source: str, digest: str) -> tuple[Any, inspect.Signature | None]:

@@ -39,6 +39,7 @@ import tempfile
 from functools import lru_cache
 
 from kernelexec import _trees
+from kernelexec._exceptions import TreeLimitError
 from kernelexec._sandbox import _nshelper
 from kernelexec._tempdirs import detach, mount_points, process_alive, process_start_time
 
@@ -153,9 +154,15 @@ def uncap(path: str) -> None:
     out = tempfile.mkdtemp(prefix=".kx-out-", dir=os.path.dirname(path))
     try:
         left_out = copy_tree(path, out)
-    except Exception as exc:
-        # The mount goes whatever happens: a tmpfs left behind outlives every host.
-        left_out = [f"(the copy stopped: {exc!r})"]
+    except TreeLimitError as exc:
+        # The tenant's own doing (a tree past the walk's bounds): what was copied is kept and
+        # the mount goes, or it would outlive every host.
+        left_out = [f"(the copy stopped: {exc})"]
+    except BaseException:
+        # The host's trouble (out of space or descriptors): the mount stays, with every file,
+        # for a later try (this host's next start of the session, or the next host's sweep).
+        _trees.remove(out)
+        raise
     if left_out:
         log.warning("left out of the copy back of %s: %r", path, left_out)
     _unmount(path)

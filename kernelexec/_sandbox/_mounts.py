@@ -97,10 +97,9 @@ def bridge(bridges, scratch=None):
         bind_back(kept)
         # A /proc of its own that shows other users' processes to no one (hidepid, per mount
         # since Linux 5.8): a kernel, its own user, sees its own processes only, never another
-        # process's command line. Where the host refuses, the host's /proc stays.
-        if libc.mount(b"proc", b"/proc", b"proc", nosuid | nodev | noexec,
-                      b"hidepid=invisible") != 0:
-            libc.mount(b"proc", b"/proc", b"proc", nosuid | nodev | noexec, b"hidepid=2")
+        # process's command line. An older kernel refuses "invisible" (its proc options are
+        # the pid namespace's, the host's): the host's /proc then stays as it is.
+        libc.mount(b"proc", b"/proc", b"proc", nosuid | nodev | noexec, b"hidepid=invisible")
     for (top, _), fds in zip(bridges, opened):
         flags = nosuid | nodev | noexec
         mount(b"kernelexec", top, b"tmpfs", flags, b"mode=0755,size=64k,nr_inodes=4096",

@@ -51,6 +51,11 @@ def allow_search(path: str) -> None:
         os.chmod(path, stat.S_IMODE(os.stat(path).st_mode) | 0o011)
 
 
+_OWNERSHIP = _trees.Bounds(entries=10_000_000)
+"""An ownership walk moves no data: it takes any honest directory (a ``node_modules``, a
+dataset), and a capped one's inode cap is far below."""
+
+
 def hand_back(path: str, uid: int) -> None:
     """Give what ``uid`` owns in ``path`` back to the host's user (the kernel has ended).
 
@@ -67,7 +72,9 @@ def hand_back(path: str, uid: int) -> None:
         if os.fstat(top).st_uid == uid:
             os.fchown(top, host, host)
         with contextlib.suppress(TreeLimitError):
-            _trees.change_owners(top, host, which=lambda st: st.st_uid == uid, where=path)
+            _trees.change_owners(
+                top, host, _OWNERSHIP, which=lambda st: st.st_uid == uid, where=path
+            )
     finally:
         os.close(top)
 
@@ -104,7 +111,7 @@ def hand_over(path: str, uid: int) -> None:
         if _hosts_alone(top, LAYERS):
             skip = frozenset({LAYERS})
             _hand_over_uppers(top, uid, ours)
-        _trees.change_owners(top, uid, which=ours, where=path, skip_top=skip)
+        _trees.change_owners(top, uid, _OWNERSHIP, which=ours, where=path, skip_top=skip)
     finally:
         os.close(top)
 
@@ -135,7 +142,9 @@ def _hand_over_uppers(top: int, uid: int, ours: Callable[[os.stat_result], bool]
                 os.close(folder)
             try:
                 os.fchown(upper, uid, uid)
-                _trees.change_owners(upper, uid, which=ours, where=f"{LAYERS}/{name}/upper")
+                _trees.change_owners(
+                    upper, uid, _OWNERSHIP, which=ours, where=f"{LAYERS}/{name}/upper"
+                )
             finally:
                 os.close(upper)
     finally:

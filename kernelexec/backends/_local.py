@@ -663,12 +663,16 @@ class LocalConnection(KernelConnection):
         uid, self._uid = self._uid, None
         owned, self._owns_uid = self._owns_uid, False
         entered, self._entered = self._entered, set()
+        if self._restarting:
+            self._kept_capped |= entered
+        else:
+            for path in self._kept_capped - entered:  # kept for a kernel that never came
+                try:
+                    await asyncio.to_thread(_disk.uncap, path)
+                except Exception as exc:
+                    log.warning("copying %s back to the disk failed: %r", path, exc)
+            self._kept_capped = set()
         if uid is not None:
-            if self._restarting:
-                self._kept_capped |= entered
-            else:
-                entered |= self._kept_capped
-                self._kept_capped = set()
             for path in entered:
                 try:
                     if not self._restarting:

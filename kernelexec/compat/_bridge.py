@@ -183,7 +183,8 @@ class AgentKernel:
 
 def describe_execution(result: Execution) -> str:
     """A run as a tool's answer to a model, plain text: its output, its value or its whole
-    traceback (line numbers included), and what a replaced interpreter lost."""
+    traceback (line numbers included), and one short line on the interpreter's state (what the
+    run bound, or what a failure lost or undid)."""
     parts = []
     if result.stdout:
         parts.append(strip_ansi(result.stdout).rstrip("\n"))
@@ -193,8 +194,9 @@ def describe_execution(result: Execution) -> str:
         parts.append(describe_error(result.error))
     elif result.result is not None:
         parts.append(strip_ansi(result.result))
-    if result.kernel_restarted:
-        parts.append(describe_loss(result.lost_variables))
+    state = state_line(result)
+    if state:
+        parts.append(state)
     return "\n".join(parts) or "(no output)"
 
 
@@ -215,3 +217,15 @@ def describe_loss(lost: list[str]) -> str:
     if not lost:
         return "(the interpreter was restarted; no variables were lost)"
     return f"(the interpreter was restarted: these variables were lost: {', '.join(lost)})"
+
+
+def state_line(result: Execution) -> str | None:
+    """One short line for a model on what a run did to the interpreter's state (None when it
+    bound, rebound and removed nothing)."""
+    if result.rolled_back:
+        return "(rolled back: the variables and files are as before this run)"
+    if result.kernel_restarted:
+        return describe_loss(result.lost_variables)
+    if result.changes:
+        return f"(variables {result.changes.describe()})"
+    return None

@@ -31,7 +31,7 @@ from kernelexec._core._session import AsyncSession
 from kernelexec._models import Execution
 from kernelexec._plaintext import strip_ansi
 from kernelexec._sync import KernelExecutor
-from kernelexec.compat._bridge import AgentKernel, describe_error, describe_loss
+from kernelexec.compat._bridge import AgentKernel, describe_error, describe_loss, state_line
 
 __all__ = ["KernelPythonExecutor"]
 
@@ -142,6 +142,8 @@ class KernelPythonExecutor(RemotePythonExecutor):  # type: ignore[misc]
             detail = describe_error(error)
             if loss is not None:
                 detail = f"{detail}\n{loss}"
+            elif result.rolled_back:
+                detail = f"{detail}\n{state_line(result)}"
             raise AgentError(f"{logs}{detail}", self.logger)
         if loss is not None:
             logs = f"{logs}{loss}\n"

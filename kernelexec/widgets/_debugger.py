@@ -20,7 +20,7 @@ import ipywidgets as w
 import nbformat
 
 from kernelexec._exceptions import ConfigError, KernelExecError
-from kernelexec._models import ExecError, ToolResult
+from kernelexec._models import ExecError, ToolResult, Variable
 from kernelexec._notebooks._io import safe_filename, write_atomic
 from kernelexec._protocol._host import state_json
 from kernelexec._sync import KernelExecutor, Session
@@ -210,8 +210,9 @@ class ToolDebugger(w.VBox):
     @property
     def variables(self) -> dict[str, dict[str, str]]:
         """The sandbox session's user variables: name -> ``{"type": ..., "repr": ...}``
-        (read from the kernel now; the view is refreshed too)."""
-        found = self._session().variables()
+        (the type's own name and the bounded summary of :meth:`AsyncSession.variables`; read
+        from the kernel now, the view is refreshed too)."""
+        found = _by_name(self._session().variables())
         self.variables_view.update(found)
         return found
 
@@ -420,7 +421,7 @@ class ToolDebugger(w.VBox):
 
     def _refresh_variables(self) -> None:
         try:
-            self.variables_view.update(self._session().variables())
+            self.variables_view.update(_by_name(self._session().variables()))
         except KernelExecError as exc:
             self.variables_view.value = f"<i>variables unavailable: {html.escape(str(exc))}</i>"
 
@@ -477,3 +478,7 @@ def _tool_map(tools: Any) -> dict[str, Tool]:
     if not found:
         raise ConfigError("no tools to debug")
     return found
+
+
+def _by_name(found: list[Variable]) -> dict[str, dict[str, str]]:
+    return {v.name: {"type": v.type.rsplit(".", 1)[-1], "repr": v.summary} for v in found}

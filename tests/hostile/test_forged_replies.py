@@ -137,3 +137,33 @@ def test_kernelexecs_own_checks_still_name_their_kind(executor: kx.KernelExecuto
     assert result.error is not None and result.error.kind == "result_too_large"
     result = s.call_tool(kx.Tool.from_function(mislabel), {"path": "unused"})
     assert result.error is not None and result.error.kind == "invalid_args"
+
+
+def test_code_cannot_forge_the_changes_of_its_run(executor: kx.KernelExecutor) -> None:
+    s = executor.session("forged-changes")
+    result = s.run_code(
+        "hidden_effect = 1\n"
+        "get_ipython().payload_manager.write_payload({'source': 'kernelexec.changes', "
+        "'added': ['innocent'], 'changed': [], 'removed': []})"
+    )
+    assert result.ok, result.error
+    assert result.changes == kx.StateChanges(added=["hidden_effect"])
+
+
+def test_a_name_or_repr_with_a_lone_surrogate_does_not_stop_the_reply(
+    executor: kx.KernelExecutor,
+) -> None:
+    s = executor.session("surrogates")
+    result = s.run_code(
+        "globals()['bad\\udc80'] = 1\n"
+        "class R:\n"
+        "    def __repr__(self):\n"
+        "        return 'x\\udc80y'\n"
+        "r = R()\n"
+    )
+    assert result.ok, result.error
+    assert result.changes.added == ["R", r"bad\udc80", "r"]  # written as its escape
+    assert not result.kernel_restarted
+    found = {v.name: v.summary for v in s.variables()}
+    assert found["r"] == r"x\udc80y" and found[r"bad\udc80"] == "1"
+    assert s.run_code("print(r.__class__.__name__)").stdout == "R\n"

@@ -1,0 +1,314 @@
+"""Agents see their state and undo a failed step (issue 38), on real kernels: the variables
+listing (bounded whatever the values do), the changes on every result, atomic runs."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+
+import pytest
+
+import kernelexec as kx
+
+from .test_branching import _OtherBackend
+
+pytestmark = pytest.mark.anyio
+
+HOSTILE = """
+import asyncio
+import time
+
+class Hangs:
+    def __repr__(self):
+        while True:
+            try:
+                time.sleep(60)
+            except Exception:
+                pass
+
+class Raises:
+    def __repr__(self):
+        raise RuntimeError("no repr for you")
+
+class Huge:
+    def __repr__(self):
+        return "h" * 50_000_000
+
+class Pausing:
+    def __repr__(self):
+        time.sleep(60)
+
+hangs, raises, huge = Hangs(), Raises(), Huge()
+slow = [Pausing() for _ in range(5)]
+slow_a, slow_b, slow_c = Pausing(), Pausing(), Pausing()
+text = "t" * 50_000_000
+blob = b"\\x00" * 1000
+number = 7
+many = list(range(3))
+long = list(range(1000))
+mixed = [hangs, {"k": raises}, (1,)]
+_private = 1
+"""
+
+
+def by_name(found: list[kx.Variable]) -> dict[str, kx.Variable]:
+    return {v.name: v for v in found}
+
+
+def test_variables_are_listed_and_bounded_whatever_their_repr_does() -> None:
+    with kx.KernelExecutor(default_timeout=30) as ex:
+        s = ex.session("vars")
+        assert s.variables() == []  # no kernel yet: none is started for a listing
+        assert s.run_code(HOSTILE).ok
+        started = time.monotonic()
+        found = s.variables()
+        took = time.monotonic() - started
+        names = [v.name for v in found]
+        assert names == sorted(names)
+        assert "_private" not in names and "In" not in names and "get_ipython" not in names
+        v = by_name(found)
+        assert v["number"] == kx.Variable(
+            name="number", type="builtins.int", summary="7", size_bytes=28
+        )
+        assert v["many"].summary == "[0, 1, 2]"
+        assert v["long"].summary.startswith("list of 1000 items: [0, 1, 2, ")
+        # Inside a container, a value that is not a builtin is only named: no repr runs.
+        assert v["mixed"].summary == "[<Hangs object>, {'k': <Raises object>}, (1,)]"
+        assert v["hangs"].type == "__main__.Hangs"
+        assert "took longer than" in v["hangs"].summary
+        assert v["raises"].summary == "<Raises object: its repr raised RuntimeError>"
+        assert v["huge"].summary.startswith("hhhh") and len(v["huge"].summary) == 200
+        assert v["text"].summary.startswith("str of 50000000 characters: 'ttt")
+        assert v["text"].size_bytes is not None and v["text"].size_bytes >= 50_000_000
+        assert v["blob"].type == "builtins.bytes"
+        # Three slow reprs share the listing's time: the last ones are not even tried.
+        assert any("ran out" in v[n].summary for n in ("slow_a", "slow_b", "slow_c"))
+        assert all(len(x.summary) <= 200 for x in found)
+        assert took < 2.0, took  # about 0.6 s of reprs at most, plus the round trip
+        # The kernel is fine afterwards, and no alarm is left armed.
+        r = s.run_code("import time; time.sleep(0.5); print(number)")
+        assert r.stdout == "7\n", r
+
+
+async def test_every_result_says_what_changed(add_tool: kx.Tool) -> None:
+    async with kx.AsyncKernelExecutor() as ex:
+        s = await ex.session("changes")
+        r = await s.run_code("a = 1\nb = [1]\n_hidden = 2\nimport json")
+        assert r.changes == kx.StateChanges(added=["a", "b", "json"])
+        r = await s.run_code("b.append(2)\na = 2\ndel json\nc = 3")
+        assert r.changes == kx.StateChanges(added=["c"], changed=["a"], removed=["json"])
+        r = await s.run_code("print(a)")
+        assert r.changes == kx.StateChanges() and not r.changes
+        r = await s.run_code("d = 4\nraise ValueError('half way')")
+        assert r.status == "error" and r.changes.added == ["d"]
+        t = await s.call_tool(add_tool, {"a": 1})
+        assert isinstance(t, kx.ToolResult) and t.func_return == 3
+        assert t.changes == kx.StateChanges()  # its definition binds `_add`: a private name
+        t = await s.call_tool(add_tool, {"a": 2})
+        assert t.changes == kx.StateChanges()
+        binds = kx.Tool.from_source(
+            "def remember(n: int) -> int:\n"
+            "    import __main__\n"
+            "    __main__.seen = n\n"
+            "    return n\n"
+        )
+        t = await s.call_tool(binds, {"n": 3})
+        assert t.func_return == 3 and t.changes == kx.StateChanges(added=["remember", "seen"])
+        r = await s.run_code("import os; os._exit(1)")
+        assert r.error is not None and r.error.kind == "kernel_died"
+        assert r.changes == kx.StateChanges()
+        assert r.lost_variables == ["a", "b", "c", "d", "remember", "seen"]
+
+
+async def test_atomic_run_rolls_back_an_exception_variables_and_files() -> None:
+    async with kx.AsyncKernelExecutor(default_timeout=30) as ex:
+        s = await ex.session("atomic")
+        await s.run_code("data = [1, 2]\nopen('notes.txt', 'w').write('before')")
+        r = await s.run_code(
+            "data.append(3)\nx = 1\nopen('notes.txt', 'w').write('half')\n"
+            "open('new.txt', 'w').write('n')\nraise ValueError('boom')",
+            atomic=True,
+        )
+        assert r.status == "error" and r.error is not None and r.error.evalue == "boom"
+        assert r.rolled_back and r.changes == kx.StateChanges()
+        check = await s.run_code(
+            "import os\nprint(data, 'x' in globals(), open('notes.txt').read(), "
+            "os.path.exists('new.txt'))"
+        )
+        assert check.stdout == "[1, 2] False before False\n"
+        assert Path(s.workdir, "notes.txt").read_text() == "before"  # noqa: ASYNC240
+        ok = await s.run_code("data.append(9)\ny = 1", atomic=True)
+        assert ok.ok and not ok.rolled_back and ok.changes.added == ["y"]
+        plain = await s.run_code("z = 1\n1/0")
+        assert not plain.rolled_back  # not atomic: effects stay
+        assert (await s.run_code("print(data, z)")).stdout == "[1, 2, 9] 1\n"
+
+
+async def test_atomic_run_rolls_back_a_timeout_and_a_tool_call() -> None:
+    async with kx.AsyncKernelExecutor(default_timeout=30) as ex:
+        s = await ex.session("atomic-timeout")
+        await s.run_code("data = [1]")
+        r = await s.run_code("data.append(2)\nimport time\ntime.sleep(60)", atomic=True, timeout=1)
+        assert r.error is not None and r.error.kind == "timeout" and r.rolled_back
+        assert (await s.run_code("print(data)")).stdout == "[1]\n"
+        tool = kx.Tool.from_source(
+            "def spoil(n: int) -> int:\n"
+            "    import __main__\n"
+            "    __main__.data.append(n)\n"
+            "    raise RuntimeError('spoilt')\n"
+        )
+        t = await s.call_tool(tool, {"n": 5}, atomic=True)
+        assert t.error is not None and t.error.evalue == "spoilt" and t.rolled_back
+        assert (await s.run_code("print(data)")).stdout == "[1]\n"
+        bad = await s.call_tool(tool, {"n": "x"}, atomic=True)
+        assert bad.error is not None and bad.error.kind == "invalid_args" and bad.rolled_back
+
+
+async def test_atomic_run_whose_kernel_dies_says_it_was_not_rolled_back() -> None:
+    async with kx.AsyncKernelExecutor(default_timeout=30) as ex:
+        s = await ex.session("atomic-exit")
+        await s.run_code("data = [1]")
+        r = await s.run_code("data.append(2)\nimport os\nos._exit(3)", atomic=True)
+        assert r.error is not None and r.error.kind == "kernel_died"
+        assert not r.rolled_back
+        assert "NOT rolled back: the snapshot ended with the kernel" in r.error.evalue
+        assert r.lost_variables == ["data"]
+        # The fresh kernel works in the session's directory.
+        after = await s.run_code("import os\nprint(os.getcwd(), globals().get('data'))")
+        assert after.stdout == f"{s.workdir} None\n", after
+
+
+async def test_atomic_is_refused_before_anything_runs_where_snapshots_are_not_offered(
+    tmp_path: Path,
+) -> None:
+    marker = tmp_path / "ran"
+    async with kx.AsyncKernelExecutor(backend=_OtherBackend()) as ex:
+        s = await ex.session("g")
+        with pytest.raises(kx.BranchingNotSupportedError, match="'other' backend"):
+            await s.run_code(f"open({str(marker)!r}, 'w')", atomic=True)
+        assert not marker.exists()
+        assert ex.kernel_count == 0  # refused before a kernel was started
+        await s.run_code("x = 1")  # a kernel of that backend exists now: refused all the same
+        with pytest.raises(kx.BranchingNotSupportedError, match="'other' backend"):
+            await s.call_tool(kx.Tool.from_source("def f() -> int:\n    return 1\n"), atomic=True)
+    try:
+        bwrap = kx.AsyncKernelExecutor(isolation="bwrap")
+    except kx.ConfigError:
+        return
+    async with bwrap as ex:
+        s = await ex.session("b")
+        with pytest.raises(kx.BranchingNotSupportedError, match="isolation='bwrap'"):
+            await s.run_code("x = 1", atomic=True)
+        assert ex.kernel_count == 0
+        assert not marker.exists()
+
+
+async def test_adapters_tell_the_model_what_a_step_changed_lost_or_undid() -> None:
+    from kernelexec.compat._bridge import describe_execution
+
+    async with kx.AsyncKernelExecutor(default_timeout=30) as ex:
+        s = await ex.session("adapters")
+        assert describe_execution(await s.run_code("a = 1\nb = 2")) == "(variables added a, b)"
+        assert describe_execution(await s.run_code("print(a)")) == "1"
+        undone = await s.run_code("a = 5\nraise KeyError('k')", atomic=True)
+        assert describe_execution(undone) == (
+            "KeyError: 'k'\n(rolled back: the variables and files are as before this run)"
+        )
+        died = await s.run_code("import os; os._exit(1)")
+        assert describe_execution(died).endswith(
+            "(the interpreter was restarted: these variables are gone: a, b)"
+        )
+
+
+def test_the_blocking_facade_and_the_executors_shortcuts_take_atomic(add_tool: kx.Tool) -> None:
+    with kx.KernelExecutor(default_timeout=30) as ex:
+        ex.run_code("n = 1", agent_id="e")
+        r = ex.run_code("n = 2\n1/0", agent_id="e", atomic=True)
+        assert r.rolled_back and r.changes == kx.StateChanges()
+        t = ex.call_tool(add_tool, {"a": "x"}, agent_id="e", atomic=True)
+        assert t.rolled_back and t.error is not None and t.error.kind == "invalid_args"
+        s = ex.session("e")
+        assert s.run_code("print(n)").stdout == "1\n"
+        assert [(v.name, v.summary) for v in s.variables()] == [("n", "1")]
+
+
+async def test_an_atomic_run_its_caller_cancels_is_rolled_back() -> None:
+    async with kx.AsyncKernelExecutor(default_timeout=60) as ex:
+        s = await ex.session("atomic-cancel")
+        await s.run_code("data = [1]")
+        started = asyncio.Event()
+
+        async def on_stdout(text: str) -> None:
+            started.set()
+
+        run = asyncio.ensure_future(
+            s.run_code(
+                "data.append(2)\nspoilt = True\nprint('go', flush=True)\n"
+                "import time\ntime.sleep(60)",
+                atomic=True,
+                on_stdout=on_stdout,
+            )
+        )
+        await started.wait()
+        run.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await run
+        check = await s.run_code("print(data, 'spoilt' in globals())")
+        assert check.stdout == "[1] False\n"
+
+
+def test_a_class_whose_metaclass_hangs_on_every_attribute_is_still_listed() -> None:
+    with kx.KernelExecutor(default_timeout=30) as ex:
+        s = ex.session("meta")
+        s.run_code(
+            "import time\n"
+            "class Meta(type):\n"
+            "    def __getattribute__(cls, name):\n"
+            "        time.sleep(60)\n"
+            "class Sly(metaclass=Meta):\n"
+            "    pass\n"
+            "sly = Sly()\n"
+            "inside = [sly]\n"
+        )
+        started = time.monotonic()
+        v = by_name(s.variables())
+        assert time.monotonic() - started < 2.0
+        assert v["Sly"].summary == "<class Sly>" and v["Sly"].type == "__main__.Meta"
+        assert v["inside"].summary == "[<Sly object>]"
+        assert v["sly"].type == "__main__.Sly"
+
+
+def test_changes_work_in_branches_and_their_hooks_do_not_pile_up() -> None:
+    hooks = "print(len(get_ipython().events.callbacks['pre_execute']))"
+    with kx.KernelExecutor() as ex:
+        s = ex.session("branched")
+        s.run_code("a = 1")
+        (child,) = s.fork()
+        (grandchild,) = child.fork()
+        assert child.run_code(hooks).stdout == grandchild.run_code(hooks).stdout
+        assert grandchild.run_code("b = 2\na = 3").changes == kx.StateChanges(
+            added=["b"], changed=["a"]
+        )
+        snap = s.snapshot()
+        s.restore(snap)
+        snap.close()
+        assert s.run_code("c = 1").changes == kx.StateChanges(added=["c"])
+
+
+def test_a_recorded_rolled_back_step_replays_as_it_happened(tmp_path: Path) -> None:
+    import nbformat
+
+    with kx.KernelExecutor(record_dir=tmp_path) as ex:
+        s = ex.session("rec")
+        s.run_code("data = [1]")
+        undone = s.run_code("data.append(2)\nraise ValueError('no')", atomic=True)
+        assert undone.rolled_back
+        assert s.run_code("print(data)").stdout == "[1]\n"
+    nb = nbformat.read(tmp_path / "rec.ipynb", as_version=4)
+    meta = [c.metadata["kernelexec"] for c in nb.cells]
+    assert meta[1]["rolled_back"] is True
+    assert not meta[2]["fresh_kernel"]  # the restored kernel continues the recorded one
+    report = kx.replay(tmp_path / "rec.ipynb")
+    assert report.ok, report.differences
+    assert report.cells_run == 3
