@@ -16,6 +16,7 @@ Examples marked ``<!-- example: skip (why) -->`` skip here as in ``test_docs_exa
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 import shutil
 import subprocess
@@ -36,6 +37,22 @@ _CHECKOUT = re.compile(r"^'?\.(?:\[([a-z0-9,\-]+)\])?'?$")
 _PACKAGE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._\-]*$")
 
 
+def _project_digest() -> str:
+    """A hash of ``pyproject.toml``'s ``[project]`` table (dependencies, extras, entry points):
+    a change to the tools' settings there needs no new venvs (the package is installed
+    editable)."""
+    text = (ROOT / "pyproject.toml").read_bytes()
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10: the whole file
+        return hashlib.sha256(text).hexdigest()[:12]
+    project = json.dumps(tomllib.loads(text.decode())["project"], sort_keys=True)
+    return hashlib.sha256(project.encode()).hexdigest()[:12]
+
+
+_PROJECT = _project_digest()
+
+
 class Needs(NamedTuple):
     """What a page tells a reader to install: kernelexec's extras and other packages."""
 
@@ -43,11 +60,14 @@ class Needs(NamedTuple):
     packages: tuple[str, ...]
 
     @property
+    def named(self) -> str:
+        """The set, as a folder name's first part."""
+        return "-".join([*self.extras, *self.packages]) or "base"
+
+    @property
     def key(self) -> str:
-        """The cache folder's name: the set, and the ``pyproject.toml`` it was built from."""
-        digest = hashlib.sha256((ROOT / "pyproject.toml").read_bytes()).hexdigest()[:12]
-        named = "-".join([*self.extras, *self.packages]) or "base"
-        return f"{named}-{digest}"
+        """The cache folder's name: the set, and the package metadata it was built from."""
+        return f"{self.named}-{_PROJECT}"
 
 
 def needs(page: Path) -> Needs:
@@ -80,10 +100,17 @@ def venv(what: Needs) -> Path:
         if done.exists():
             return python
         shutil.rmtree(home, ignore_errors=True)  # a build cut short
+        for old in _CACHE.iterdir():  # the same set built for an earlier [project]
+            name = old.name.removesuffix(".lock")
+            if name != home.name and name.rsplit("-", 1)[0] == what.named:
+                if old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    old.unlink(missing_ok=True)
         subprocess.run([sys.executable, "-m", "venv", str(home)], check=True, timeout=120)
         spec = f".[{','.join(what.extras)}]" if what.extras else "."
         proc = subprocess.run(
-            [str(python), "-m", "pip", "install", "-q", "--no-compile", "-e", spec,
+            [str(python), "-m", "pip", "install", "-q", "-e", spec,
              *what.packages],
             cwd=ROOT, capture_output=True, text=True, timeout=900,
         )  # fmt: skip
