@@ -206,7 +206,7 @@ def test_the_model_gets_plain_tracebacks_its_directory_and_what_was_lost(
         said = tool.invoke({"code": "def f():\n    return 1 / 0\nf()"})
         assert "\x1b" not in said
         assert "----> 3 f()" in said and "----> 2     return 1 / 0" in said
-        assert said.endswith("ZeroDivisionError: division by zero")
+        assert said.endswith("ZeroDivisionError: division by zero\n(variables added f)")
         died = tool.invoke({"code": "import os\nos._exit(3)"})
         assert died.endswith("(the interpreter was restarted: these variables were lost: keep)")
     finally:

@@ -131,6 +131,17 @@ def test_kernel_killed_between_calls_is_noticed(executor: kx.KernelExecutor) -> 
     assert "y" in result.lost_variables
 
 
+def test_code_that_ends_its_kernel_at_once_runs_once() -> None:
+    # The kernel may run the code and die before any of its messages leaves it: the request
+    # is not sent again to a fresh kernel (which would do twice what it did).
+    with kx.KernelExecutor() as ex:
+        s = ex.session("once")
+        for _ in range(5):
+            r = s.run_code("open('ran.txt', 'a').write('x')\nimport os\nos._exit(1)")
+            assert r.error is not None and r.error.kind == "kernel_died", r.error
+        assert s.files.read("ran.txt") == b"xxxxx"
+
+
 # 11. output is bounded ---------------------------------------------------------------------
 
 

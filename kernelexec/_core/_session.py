@@ -691,10 +691,15 @@ class AsyncSession:
                 restored=self._lease.take_restored(),
                 duration_s=time.monotonic() - start,
             )
+        conn = self._lease.connection
+        ended = conn.ended() if conn is not None else None
+        if ended:
+            # The kernel died between calls: the code goes to a fresh one.
+            lost = (lost or []) + await self._lease.replace()
         out, calls = await self._send(run, timeout, callbacks, once)
-        if out.died and not out.started:
-            # The kernel died before it saw the request (e.g. killed between calls): the
-            # code never ran, so run it once on a fresh kernel.
+        if ended is None and out.died and not out.started:
+            # A backend that cannot tell (KernelConnection.ended): no sign of the request came
+            # back before the death, the only hint that the kernel died first.
             lost = (lost or []) + await self._lease.replace()
             out, calls = await self._send(run, timeout, callbacks, once)
         generation = self._lease.generation

@@ -159,6 +159,16 @@ class KernelConnection(abc.ABC):
         peer and must not be able to crash the host's receive loop.
         """
 
+    def ended(self) -> bool | None:
+        """Whether the kernel has ended, by a check that reads no message (a process status),
+        or None when this backend cannot tell. Called by the session before it sends a
+        request: code goes to a fresh kernel rather than to one that died between calls, and
+        a request sent is never sent again (a kernel may run code and die before any of its
+        output leaves it). Where it cannot tell (None, the default), a request to which
+        nothing at all came back before the kernel's death is sent once more to a fresh
+        kernel, as the only sign that it died first."""
+        return None
+
     @abc.abstractmethod
     async def interrupt(self) -> None:
         """Ask the kernel to interrupt the running code; return without waiting for it."""

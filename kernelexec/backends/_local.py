@@ -535,6 +535,21 @@ class LocalConnection(KernelConnection):
     async def receive(self, timeout: float) -> KernelMessage | KernelDied | None:
         return await self._wire.receive(timeout, self._died, self._check_process)
 
+    def ended(self) -> bool | None:
+        if self._died is not None or self._check_process() is not None:
+            return True
+        if not self._sandbox.confined:
+            return False  # the process checked is the kernel itself
+        pid = self.kernel_pid()  # under a launcher: the kernel may be gone before it
+        if pid is None:
+            return True
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as fh:
+                state = fh.read().rsplit(b")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return True
+        return state in (b"Z", b"X")
+
     def _check_process(self) -> KernelDied | None:
         proc = self._process()
         if proc is None:
