@@ -12,7 +12,9 @@ from tests.skips import EXPECTED_ENV, Skip, expected, unexpected
 
 ROOT = Path(__file__).resolve().parent.parent
 CI_FILE = ROOT / ".ci" / "expected-skips"
-TARGET = "tests/test_docs_examples.py::test_example_runs[docs/gateway.md:9]"
+TARGET = (
+    "tests/test_docs_extras.py::test_example_runs_with_only_what_its_page_names[docs/gateway.md:9]"
+)
 """A test that skips on every machine: an example the documentation marks as not run."""
 
 NO_BWRAP = Skip(
@@ -35,7 +37,7 @@ def test_the_ci_machine_may_skip_none_of_the_hostile_suite_nor_the_upstream_suit
         NOT_FETCHED,
         NO_FORK_SERVER,
     ]
-    documented = Skip("tests/test_docs_examples.py", "needs a running Jupyter Kernel Gateway")
+    documented = Skip("tests/test_docs_extras.py", "needs a running Jupyter Kernel Gateway")
     assert unexpected([documented], allowed) == []
 
 
@@ -62,7 +64,7 @@ def _pytest(expected_file: Path | None) -> subprocess.CompletedProcess[str]:
 
 
 def test_a_run_prints_its_skips_and_fails_on_one_not_expected(tmp_path: Path) -> None:
-    reason = "tests/test_docs_examples.py: needs a running Jupyter Kernel Gateway and its token"
+    reason = "tests/test_docs_extras.py: needs a running Jupyter Kernel Gateway and its token"
     plain = _pytest(None)
     assert plain.returncode == 0, plain.stdout[-3000:]
     assert f"1 skipped\n   1 x {reason}\n" in plain.stdout
