@@ -314,6 +314,7 @@ class LocalConnection(KernelConnection):
         self._entered: set[str] = set()  # working directories handed to the kernel's user
         self._restarting = False
         self._kept_capped: set[str] = set()  # capped across a restart, uncapped at the end
+        self._kernel_pid_seen: int | None = None  # this launch's kernel, once found (ended)
         self._cgroup: _cgroups.KernelCgroup | None = None
         self._km: AsyncKernelManager | None = None
         self._wire = KernelWire()
@@ -430,6 +431,7 @@ class LocalConnection(KernelConnection):
         assert km is not None
         self._wire.open(km)
         self._died = None
+        self._kernel_pid_seen = None
 
     def _new_cgroup(self, plan: SandboxPlan, what: str) -> None:
         """Make the kernel's cgroup (its memory group in the executor's budget).
@@ -540,9 +542,13 @@ class LocalConnection(KernelConnection):
             return True
         if not self._sandbox.confined:
             return False  # the process checked is the kernel itself
-        pid = self.kernel_pid()  # under a launcher: the kernel may be gone before it
+        # Under a launcher the kernel may be gone before it: its pid, found once per kernel
+        # (a search of the launcher's children when there is no fork server).
+        pid = self._kernel_pid_seen
         if pid is None:
-            return True
+            pid = self._kernel_pid_seen = self.kernel_pid()
+        if pid is None:
+            return None  # not found: cannot tell
         try:
             with open(f"/proc/{pid}/stat", "rb") as fh:
                 state = fh.read().rsplit(b")", 1)[1].split()[0]
