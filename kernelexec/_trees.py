@@ -419,7 +419,7 @@ def change_owners(
         TreeLimitError: the tree has more entries than the bound.
     """
     changed = 0
-    for entry in walk(top, bounds, where=where, skip_top=skip_top, too_deep=_leave):
+    for entry in walk(top, bounds, where=where, skip_top=skip_top, too_deep=leave):
         st = entry.st
         if not which(st) or (not entry.is_dir and st.st_nlink > 1):
             continue
@@ -457,17 +457,22 @@ def _libc() -> ctypes.CDLL:
     return libc
 
 
-def _leave(_entry: Entry) -> None:
+def leave(_entry: Entry) -> None:
     """A directory past the depth bound is left as it is."""
 
 
 def signature(
-    top: int, bounds: Bounds = Bounds(), *, where: str = "", skip_top: frozenset[str] = frozenset()
+    top: int,
+    bounds: Bounds = Bounds(),
+    *,
+    where: str = "",
+    skip_top: frozenset[str] = frozenset(),
+    too_deep: Callable[[Entry], None] | None = None,
 ) -> tuple[tuple[str, int, int], ...]:
     """What the tree holds, cheaply: (path, size, mtime) of every entry, sorted."""
     found = [
         (e.rel, e.st.st_size, e.st.st_mtime_ns)
-        for e in walk(top, bounds, where=where, skip_top=skip_top)
+        for e in walk(top, bounds, where=where, skip_top=skip_top, too_deep=too_deep)
     ]
     return tuple(sorted(found))
 

@@ -37,7 +37,7 @@ def signature(workdir: Path) -> Signature:
     """
     top = _trees.open_top(workdir)
     try:
-        return _trees.signature(top, where=str(workdir), skip_top=_SKIP)
+        return _trees.signature(top, where=str(workdir), skip_top=_SKIP, too_deep=_trees.leave)
     finally:
         os.close(top)
 
@@ -48,14 +48,19 @@ def archive(workdir: Path, dest: Path, limit: int) -> tuple[int, int, dict[str, 
     Raises:
         CheckpointTooLargeError: the archive would pass ``limit`` bytes (a file's whole size
             counts, holes included: nothing past the limit is read).
-        TreeLimitError: the directory passes a bound of the walk.
+        TreeLimitError: the directory has more entries than the walk's bound (what lies past
+            its depth bound is left out, named in what was skipped).
     """
     skipped: dict[str, str] = {}
     fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     top = _trees.open_top(workdir)
     try:
         with open(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w") as tar:
-            for entry in _trees.walk(top, where=str(workdir), skip_top=_SKIP):
+
+            def deep(entry: _trees.Entry) -> None:
+                skipped[entry.rel + "/"] = "deeper than the walk goes (not saved)"
+
+            for entry in _trees.walk(top, where=str(workdir), skip_top=_SKIP, too_deep=deep):
                 why = _add(tar, raw, entry, limit)
                 if why:
                     skipped[entry.rel] = why

@@ -355,16 +355,21 @@ class SessionState:
             await asyncio.to_thread(_clear_staging, self.staging)
 
     def _commit(self, answer: dict[str, Any]) -> tuple[Manifest, int]:
-        sig = _files.signature(self.workdir)
+        try:
+            sig = _files.signature(self.workdir)
+        except OSError as exc:  # past the walk's entry bound, or unreadable
+            raise StateError(f"the working directory could not be saved: {exc}") from exc
         files = self._files[1] if self._files is not None and self._files[0] == sig else None
         unsaved = {str(k): str(v) for k, v in answer.get("unsaved", {}).items()}
         if files is None and sig:
             dest = self.store.new_files_path(self.agent_id, self.env)
             try:
                 crc, size, skipped = _files.archive(self.workdir, dest, self.limit)
-            except BaseException:
+            except BaseException as exc:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(dest)
+                if isinstance(exc, OSError) and not isinstance(exc, CheckpointTooLargeError):
+                    raise StateError(f"the working directory could not be saved: {exc}") from exc
                 raise
             files = {"file": dest.name, "size": size, "crc": crc, "skipped": skipped}
         manifest = Manifest(

@@ -206,6 +206,21 @@ def test_a_tree_too_deep_to_walk_breaks_nothing(tmp_path: Path, level: str) -> N
 
 
 @pytest.mark.parametrize("level", LEVELS)
+def test_a_tree_too_deep_to_walk_is_hibernated_without_its_depths(
+    tmp_path: Path, level: str
+) -> None:
+    with kx.KernelExecutor(state_dir=tmp_path / "state", isolation=level) as ex:  # type: ignore[arg-type]
+        s = ex.session("deep-state")
+        s.run_code(DEEP.replace("DEPTH", "1200") + "x = 1\n").raise_for_error()
+        saved = s.hibernate()  # the part past the walk's depth is left out, nothing raised
+        assert "x" in saved.saved
+        assert s.run_code("print(x, open('keep.txt').read())").stdout == "1 kept\n"
+        s.restart()
+        s.run_code("y = 2").raise_for_error()
+    # closing the executor hibernated it again, without an error
+
+
+@pytest.mark.parametrize("level", LEVELS)
 def test_a_very_wide_tree_is_copied_back_and_unmounted(tmp_path: Path, level: str) -> None:
     with kx.KernelExecutor(isolation=level, workdir=tmp_path / "w") as ex:  # type: ignore[arg-type]
         s = ex.session("wide")
