@@ -9,6 +9,7 @@ ipykernel with the same flags and lean launcher as the local backend, so the two
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import secrets
@@ -127,10 +128,16 @@ class Gateway:
         deadline = time.monotonic() + timeout
         while True:
             if self.proc.poll() is not None:
+                if "already in use" in self.log:
+                    raise PortTaken(self.port)
                 raise RuntimeError(f"the gateway exited at start:\n{self.log[-3000:]}")
             try:
                 self.get("/api")
                 return
+            except http.client.HTTPException:
+                # Not HTTP: something else (a kernel's zmq socket) took the port meanwhile.
+                self.stop()
+                raise PortTaken(self.port) from None
             except OSError:
                 if time.monotonic() > deadline:
                     self.stop()
@@ -183,11 +190,25 @@ class Gateway:
         shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> Gateway:
-        self.start()
-        return self
+        try:
+            for _ in range(3):
+                try:
+                    self.start()
+                    return self
+                except PortTaken:
+                    self.stop()
+                    self.port = free_port()  # taken between its choice and the gateway's bind
+            raise RuntimeError("the gateway found no free port in three tries")
+        except BaseException:
+            self.close()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class PortTaken(Exception):
+    """The gateway's port was taken by another process before the gateway bound it."""
 
 
 class TcpProxy:
