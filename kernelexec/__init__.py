@@ -11,9 +11,9 @@ import typing as _typing
 from importlib import metadata as _metadata
 
 if _typing.TYPE_CHECKING:
+    from kernelexec._assembly._executor import AsyncKernelExecutor
     from kernelexec._branching._family import AsyncSnapshot
     from kernelexec._config import ExecutorConfig, ExecutorOptions
-    from kernelexec._core._executor import AsyncKernelExecutor
     from kernelexec._core._session import AsyncSession
     from kernelexec._envs._builder import BuiltEnv, EnvBuilder, EnvProgress
     from kernelexec._envs._envs import LocalEnv, VenvEnv
@@ -79,7 +79,7 @@ if _typing.TYPE_CHECKING:
 # `kernelexec --help` or `import kernelexec` does not pay for the whole library (1.4 s).
 _EXPORTS: dict[str, str] = {
     "areplay": "kernelexec._replay",
-    "AsyncKernelExecutor": "kernelexec._core._executor",
+    "AsyncKernelExecutor": "kernelexec._assembly._executor",
     "AsyncSession": "kernelexec._core._session",
     "AsyncSessionCommands": "kernelexec._files._commands",
     "AsyncSessionFiles": "kernelexec._files._session",
