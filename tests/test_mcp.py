@@ -42,7 +42,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
 from kernelexec._cli._main import main
-from tests.procs import children, of_kind
+from tests.support.procs import children, of_kind
 
 pytestmark = pytest.mark.anyio
 
