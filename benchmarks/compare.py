@@ -1,8 +1,9 @@
 """Warm calls of this tree against another checkout of kernelexec, in one run.
 
 For a change that must not make calls slower (a refactor): each round starts one host process
-per tree (``PYTHONPATH`` set to the tree), which times warm ``call_tool`` and ``run_code`` calls
-on one session; the trees take turns, so the machine's noise falls on both. Prints a table of
+per tree (``PYTHONPATH`` set to the tree), which times two cold starts (an executor made to its
+first result; the first in a process that has started no kernel) and warm ``call_tool`` and ``run_code``
+calls on one session; the trees take turns, so the machine's noise falls on both. Prints a table of
 the medians over rounds and the ratio this tree / base, and writes JSON.
 
     git worktree add /tmp/base <rev>
@@ -30,6 +31,13 @@ ADD = 'def add(a: int, b: int) -> int:\n    "Add two numbers."\n    return a + b
 n = int(sys.argv[1])
 tool = kx.Tool.from_source(ADD)
 out = {"tree": kx.__file__}
+# Cold start: an executor made to its first session's first result, twice (the first in a
+# process that has started no kernel yet).
+for row in ("cold_start_first", "cold_start"):
+    t0 = time.perf_counter()
+    with kx.KernelExecutor() as ex:
+        ex.session("cold").run_code("1 + 1")
+        out[row] = (time.perf_counter() - t0) * 1000
 with kx.KernelExecutor() as ex:
     s = ex.session("compare")
     for _ in range(50):
@@ -88,7 +96,7 @@ def main() -> None:
         }
         for row in rows
     }
-    print("| warm call, median of round medians | base ms | this tree ms | this / base |")
+    print("| row, median of round medians | base ms | this tree ms | this / base |")
     print("|---|---|---|---|")
     for row, v in table.items():
         v["ratio"] = v["this_ms"] / v["base_ms"]
