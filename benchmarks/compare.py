@@ -2,9 +2,9 @@
 
 For a change that must not make calls slower (a refactor): each round starts one host process
 per tree (``PYTHONPATH`` set to the tree), which times two cold starts (an executor made to its
-first result; the first in a process that has started no kernel) and warm ``call_tool`` and ``run_code``
-calls on one session; the trees take turns, so the machine's noise falls on both. Prints a table of
-the medians over rounds and the ratio this tree / base, and writes JSON.
+first result; the first in a process that has started no kernel) and warm ``call_tool`` and
+``run_code`` calls on one session; the trees take turns, so the machine's noise falls on both.
+Prints a table of the medians over rounds and the ratio this tree / base, and writes JSON.
 
     git worktree add /tmp/base <rev>
     python benchmarks/compare.py --base /tmp/base
