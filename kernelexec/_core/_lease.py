@@ -38,11 +38,12 @@ from kernelexec.backends._base import KernelConnection
 
 log = logging.getLogger("kernelexec.kernel")
 
-Leaving = Literal["evict", "saved", "lost", "close"]
+Leaving = Literal["evict", "saved", "lost"]
 """Why a kernel leaves its lease: ``"evict"``, given back whole (idle culling, the budget, a
 durable close): a watcher that keeps state saves it now; ``"saved"``, given back after a
 watcher saved its state (``hibernate``); ``"lost"``, broken or replaced, its state gone (a
-saved checkpoint of it is stale); ``"close"``, shut down for good with the session."""
+saved checkpoint of it is stale). The kernel a closed session still has is shut down after
+``gone``, unannounced."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -354,11 +355,9 @@ class KernelLease:
             self._lost = (self._lost or []) + names
 
     async def release(self) -> None:
-        """Shut the kernel down for good (the session closed)."""
-        kernel = self.kernel
+        """Shut the kernel down for good (the session closed: its watchers were told
+        ``gone``)."""
         conn, self._conn = self._conn, None
-        if kernel is not None:
-            await self._leaving(kernel, "close")
         if conn is not None and self._pool is not None:
             await self._pool.discard(conn)
 
