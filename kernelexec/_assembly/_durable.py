@@ -84,7 +84,7 @@ class DurableSessions:
 
         async def one(session: AsyncSession) -> None:
             lease = session.lease
-            keeper = lease.keeper
+            keeper = session.durable
             if keeper is None or not lease.has_kernel:
                 return
             if not lease.busy:
@@ -104,8 +104,8 @@ class DurableSessions:
     async def delete(self, agent_id: str, key: str, live: AsyncSession | None) -> bool:
         """Delete the saved state of ``agent_id`` under ``key``; whether there was any. A
         ``live`` session of it keeps its kernel's state."""
-        if live is not None and live.lease.keeper is not None:
-            live.lease.keeper.deleted()
+        if live is not None and live.durable is not None:
+            live.durable.deleted()
         return await asyncio.to_thread(self.store.delete, agent_id, key)
 
 

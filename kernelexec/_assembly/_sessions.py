@@ -4,7 +4,8 @@ A session is a kernel lease of the core with the features wired in: its director
 notebook recording, the live-attach registration, durable state and the replayer, branching
 (children adopted as sessions of their own), and code mode's bounds. The assembly also keeps
 the executor's registry up to date: a session whose kernel was evicted is parked (held weakly),
-one that got a kernel again is held again, a closed or collected one is forgotten.
+one that got a kernel again is held again (the registry entry, a watcher of the lease), a
+closed or collected one is forgotten.
 """
 
 from __future__ import annotations
@@ -16,14 +17,20 @@ from pathlib import Path
 from kernelexec._assembly._dirs import SessionDirs
 from kernelexec._assembly._durable import DurableSessions
 from kernelexec._assembly._forking import SessionBranches, copy_workdir
-from kernelexec._assembly._known import Key, KnownSessions
+from kernelexec._assembly._known import Key, KnownSessions, RegistryEntry
 from kernelexec._branching._family import Brancher
 from kernelexec._codemode._calls import HostCallBounds
+from kernelexec._codemode._session import SessionCodeMode
 from kernelexec._core._attach import SessionRegistration
 from kernelexec._core._executor import Env, ExecutorCore
+from kernelexec._core._features import SessionFeatures
 from kernelexec._core._lease import KernelLease
+from kernelexec._core._pipeline import RunLimits
 from kernelexec._core._session import AsyncSession
 from kernelexec._exceptions import ConfigError
+from kernelexec._files._commands import AsyncSessionCommands
+from kernelexec._files._link import KernelLink
+from kernelexec._files._session import AsyncSessionFiles
 from kernelexec._notebooks._io import safe_filename
 from kernelexec._recording import SessionRecorder
 from kernelexec.backends._base import KernelConnection
@@ -119,14 +126,10 @@ class SessionAssembly:
         recorder = self._recorder(agent_id, env, fingerprint, default)
         assert core.workdir is not None
         workdir = self._dirs.take(core.workdir, agent_id)
-        registration = None
-        if cfg.attachable:
-            registration = SessionRegistration(agent_id, fingerprint, core.backend.name)
         lease = KernelLease(
             agent_id,
             lambda: core.pool_for(env),
             str(workdir),
-            registration,
             env=cfg.env_vars if core.backend.filters_env else None,
             private=tuple(
                 str(d) for d in (core.workdir, cfg.state_dir, cfg.record_dir) if d is not None
@@ -135,38 +138,58 @@ class SessionAssembly:
         key = (agent_id, fingerprint)
         lease.carry_lost(self._registry.take_lost(key))
         isolation = core.isolation_of(env)
+        # The features watch the lease, in this order: the live-attach entry first, durable
+        # state before the registry entry (which may let the session go once it is parked).
+        if cfg.attachable:
+            lease.subscribe(SessionRegistration(agent_id, fingerprint, core.backend.name))
+        durable = None
         if self.durable is not None:
             assert isinstance(workdir, Path)
-            lease.keeper = self.durable.keeper(
+            durable = self.durable.keeper(
                 agent_id,
                 "" if default else fingerprint,
                 workdir,
                 same_user=isolation.level == "none",
                 recorder=recorder,
             )
-        lease.on_evicted = lambda: self._park(key)
-        lease.on_attached = lambda: self._unpark(key, lease)
-        core.budget.register(lease)
-        return AsyncSession(
+            lease.subscribe(durable)
+        link = KernelLink(lease, str(workdir), timeout=cfg.default_timeout)
+        lease.subscribe(link)
+        code_mode = SessionCodeMode(
             agent_id,
-            lease,
-            workdir,
-            fingerprint=fingerprint,
-            default_timeout=cfg.default_timeout,
-            interrupt_grace=cfg.interrupt_grace,
-            output_grace=cfg.output_grace,
-            max_output_chars=cfg.max_output_chars,
-            max_result_chars=cfg.max_result_chars,
-            host_calls=HostCallBounds(
+            bounds=HostCallBounds(
                 calls_per_run=cfg.max_host_calls,
                 result_chars=cfg.max_result_chars,
                 call_bytes=cfg.max_host_call_bytes,
                 in_flight=cfg.max_host_calls_in_flight,
             ),
+            install_timeout=cfg.default_timeout,
+        )
+        lease.subscribe(code_mode)
+        lease.subscribe(RegistryEntry(self._registry, core.budget, key, lease))
+        core.budget.register(lease)
+        features = SessionFeatures(
+            files=AsyncSessionFiles(link),
+            commands=AsyncSessionCommands(link),
+            code_mode=code_mode,
+            durable=durable,
             recorder=recorder,
+        )
+        return AsyncSession(
+            agent_id,
+            lease,
+            workdir,
+            features,
+            fingerprint=fingerprint,
+            default_timeout=cfg.default_timeout,
+            limits=RunLimits(
+                interrupt_grace=cfg.interrupt_grace,
+                output_grace=cfg.output_grace,
+                max_output_chars=cfg.max_output_chars,
+            ),
+            max_result_chars=cfg.max_result_chars,
             isolation=isolation,
             backend=core.backend.name,
-            observers=(registration,) if registration is not None else (),
             on_close=self._forget,
             setup_code=setup,
             branches=self._branches,
@@ -214,23 +237,11 @@ class SessionAssembly:
             child.recorder.note_branch(parent.agent_id, parent.notebook)
         return child
 
-    def _park(self, key: Key) -> None:
-        """The session's kernel was evicted: the registry holds it weakly from now on."""
-        session = self._registry.park(key)
-        if session is not None:
-            self._core.budget.forget(session.lease)
-
-    def _unpark(self, key: Key, lease: KernelLease) -> None:
-        """A parked session got a kernel again (its caller held it): hold it again."""
-        self._registry.unpark(key)
-        self._core.budget.register(lease)
-
     def _released(self, lease: KernelLease, recorder: SessionRecorder | None) -> None:
         """A parked session nobody held was collected: let its file and names go."""
         if recorder is not None:
             recorder.close()
-        if lease.watcher is not None:
-            lease.watcher.close()  # an attachable session's registry entry
+        lease.gone()  # the features watching it (an attachable session's registry entry)
         self._dirs.give_back(lease.workdir)
 
     async def _forget(self, session: AsyncSession) -> None:

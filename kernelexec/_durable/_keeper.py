@@ -1,11 +1,12 @@
 """``SessionState``: one session's durable state: saving it from its kernel into the store,
 restoring it into a fresh kernel, and the after-call checkpoints.
 
-The session's lease calls it, always while it holds the session (no call runs meanwhile):
-``attached`` when a fresh kernel is attached, ``save`` before the kernel goes, ``after_call``
-with what the kernel side reported after a call, ``invalidate`` when the kernel's state was
-lost another way. It talks to the kernel through a runner the lease gives it (one of
-kernelexec's own requests), never to a connection.
+It is a watcher of the session's lease (see ``kernelexec._core._lease.KernelWatcher``), told
+always while the session is held (no call runs meanwhile): ``attached`` when a fresh kernel is
+attached (the state is restored into it), ``leaving`` before the kernel goes (saved when it is
+evicted, stale when it was lost), ``after_run`` with what the kernel side reported after a call.
+The session's ``hibernate`` delegates to :meth:`SessionState.hibernate`. It talks to the kernel
+through the runner the lease hands it (one of kernelexec's own requests), never to a connection.
 """
 
 from __future__ import annotations
@@ -18,9 +19,9 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kernelexec import _trees
 from kernelexec._durable import _files
@@ -31,6 +32,9 @@ from kernelexec._models import Hibernation, Restored
 from kernelexec._observability._logtext import untrusted
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import ExecuteRequest
+
+if TYPE_CHECKING:
+    from kernelexec._core._lease import LeasedKernel, Leaving
 
 log = logging.getLogger("kernelexec")
 
@@ -56,6 +60,17 @@ _INSTALL = (
     f"    sys.modules[{ks.MODULE_NAME!r}] = mod\n"
     "__kx_state(); del __kx_state\n"
 )
+
+
+class Hibernating(Protocol):
+    """What :meth:`SessionState.hibernate` needs of the session's lease (held by the caller)."""
+
+    @property
+    def kernel(self) -> LeasedKernel | None:
+        """The attached kernel, if any."""
+
+    async def give_back(self, why: Literal["evict", "saved"]) -> None:
+        """Give the kernel back now."""
 
 
 def _source() -> str:
@@ -116,18 +131,13 @@ class SessionState:
 
     # -- a fresh kernel -----------------------------------------------------------------------
 
-    async def attached(
-        self,
-        run: Runner,
-        generation: int,
-        hand_over: Callable[[], Awaitable[None]],
-        branched: bool = False,
-    ) -> tuple[Restored | None, list[str]]:
-        """A fresh kernel (number ``generation``) is attached: restore the saved state into it
-        when there is one; return what came back and the names that did not. ``hand_over``
-        gives the working directory (restored files included) to the kernel's user. A
+    async def attached(self, kernel: LeasedKernel, *, branched: bool) -> Restored | None:
+        """A fresh kernel is attached: restore the saved state into it when there is one;
+        return what came back (its ``not_restored`` names are reported lost). The working
+        directory (restored files included) is handed to the kernel's user first. A
         ``branched`` kernel (a fork, a restored snapshot) has its state: the saved one is
         stale and deleted, and the kernel forgets what it remembers of its origin's saves."""
+        run, generation = kernel.ask, kernel.generation
         self._installed_in = -1
         self._hook_broken = False
         if branched:
@@ -138,12 +148,13 @@ class SessionState:
                 self.store.load, self.agent_id, self.env
             )
             self._to_restore = self._manifest is not None or bool(self._problems)
-        restored, lost = None, []
+        restored = None
         if self._to_restore:
             self._to_restore = False
             with telemetry().span("state.restore", {"kernelexec.agent_id": self.agent_id}):
-                restored = await self._restore(run, generation, hand_over)
-            lost = sorted(restored.not_restored)
+                restored = await self._restore(
+                    run, generation, lambda: kernel.conn.enter_workdir(kernel.workdir)
+                )
         else:
             # A new or branched kernel: no memory of earlier saves may be reused (a fork
             # remembers its parent's), and the after-call hook is set for this session.
@@ -154,7 +165,60 @@ class SessionState:
         if self._manifest is None or self._manifest.unfinished:
             self._marking, self._marked = True, None
             await self.names_seen(())
-        return restored, lost
+        return restored
+
+    async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
+        """The kernel is about to go: saved when evicted (True: the state is kept; a failed
+        save is logged and the state lost), stale when it was lost."""
+        if why == "evict":
+            try:
+                await self.save(kernel.ask, kernel.generation)
+            except StateError as exc:
+                log.warning(
+                    "agent %r: hibernating failed, state lost: %s", self.agent_id, untrusted(exc)
+                )
+                await self.invalidate()
+                return False
+            self.kernel_gone()
+            return True
+        if why == "saved":
+            self.kernel_gone()
+        elif why == "lost":
+            await self.invalidate()
+        return False
+
+    async def after_run(
+        self, kernel: LeasedKernel | None, extras: Mapping[str, Any] | None
+    ) -> None:
+        """Commit the checkpoint the kernel side made after a call (``after_call``), or (before
+        the session's first checkpoint) mark on disk the names a killed host loses."""
+        if kernel is None or extras is None:
+            return
+        if self.checkpoint == "after_call":
+            await self.after_call(extras.get(ks.HOOK_KEY), kernel.ask, kernel.generation)
+        await self.names_seen(kernel.names)
+
+    def gone(self) -> None:
+        """The session is gone (nothing to let go of: the store is the executor's)."""
+
+    async def hibernate(self, lease: Hibernating) -> Hibernation:
+        """Save the state and give the kernel back (the caller holds ``lease``); what is on
+        disk when the session has no kernel.
+
+        Raises:
+            StateError: the state could not be saved (the kernel is kept, the older
+                checkpoint deleted).
+        """
+        kernel = lease.kernel
+        if kernel is None:
+            return await self.on_disk()
+        try:
+            saved = await self.save(kernel.ask, kernel.generation)
+        except StateError:
+            await self.invalidate()  # the kernel keeps the state; the disk never lags it
+            raise
+        await lease.give_back("saved")
+        return saved
 
     async def names_seen(self, names: tuple[str, ...]) -> None:
         """The session's kernel holds ``names`` now. Until its first checkpoint, a marker on
