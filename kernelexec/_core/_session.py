@@ -37,7 +37,14 @@ from kernelexec._exceptions import (
     BranchingNotSupportedError,
     ConfigError,
 )
-from kernelexec._models import Execution, Hibernation, Isolation, ToolResult, Variable
+from kernelexec._models import (
+    Execution,
+    Hibernation,
+    HostFunctions,
+    Isolation,
+    ToolResult,
+    Variable,
+)
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import CodeRun, ToolCall
@@ -49,7 +56,6 @@ if TYPE_CHECKING:
 
     from kernelexec._assembly._forking import SessionBranches
     from kernelexec._branching._family import AsyncSnapshot
-    from kernelexec._codemode._exposure import HostFunctions
     from kernelexec._durable._keeper import SessionState
     from kernelexec._recording import SessionRecorder
 
