@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from kernelexec._config import valid_timeout
 from kernelexec._core import _results as results
@@ -33,10 +33,7 @@ from kernelexec._core._run import run_internal
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._traced import traced_call
 from kernelexec._envs._envs import LocalEnv, VenvEnv
-from kernelexec._exceptions import (
-    BranchingNotSupportedError,
-    ConfigError,
-)
+from kernelexec._exceptions import BranchingNotSupportedError, ConfigError
 from kernelexec._models import (
     Execution,
     Hibernation,
@@ -60,8 +57,6 @@ if TYPE_CHECKING:
     from kernelexec._recording import SessionRecorder
 
 log = logging.getLogger("kernelexec.kernel")
-
-R = TypeVar("R", bound=Execution)
 
 
 class AsyncSession:
