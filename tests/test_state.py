@@ -165,18 +165,34 @@ async def test_atomic_run_rolls_back_a_timeout_and_a_tool_call() -> None:
         assert bad.error is not None and bad.error.kind == "invalid_args" and bad.rolled_back
 
 
-async def test_atomic_run_whose_kernel_dies_says_it_was_not_rolled_back() -> None:
-    async with kx.AsyncKernelExecutor(default_timeout=30) as ex:
+@pytest.mark.parametrize("level", ["process", "none"])
+async def test_an_atomic_run_whose_kernel_dies_is_rolled_back(level: str) -> None:
+    async with kx.AsyncKernelExecutor(default_timeout=30, isolation=level) as ex:
         s = await ex.session("atomic-exit")
-        await s.run_code("data = [1]")
-        r = await s.run_code("data.append(2)\nimport os\nos._exit(3)", atomic=True)
-        assert r.error is not None and r.error.kind == "kernel_died"
-        assert not r.rolled_back
-        assert "NOT rolled back: the snapshot ended with the kernel" in r.error.evalue
-        assert r.lost_variables == ["data"]
-        # The fresh kernel works in the session's directory.
-        after = await s.run_code("import os\nprint(os.getcwd(), globals().get('data'))")
-        assert after.stdout == f"{s.workdir} None\n", after
+        await s.run_code("data = [1]\nopen('notes.txt', 'w').write('before')")
+        deaths = [
+            "import os\nos._exit(3)",
+            "import ctypes\nctypes.string_at(0)",  # a segfault
+            "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+        ]
+        for n, death in enumerate(deaths):
+            r = await s.run_code(
+                f"data.append({n})\nopen('notes.txt', 'w').write('half')\n"
+                f"open('new{n}.txt', 'w').write('n')\n{death}",
+                atomic=True,
+            )
+            assert r.error is not None and r.error.kind == "kernel_died", r.error
+            assert r.rolled_back and "NOT rolled back" not in r.error.evalue, (n, r.error.evalue)
+            assert r.lost_variables == [] and not r.kernel_restarted
+            assert sorted(p.name for p in Path(s.workdir).iterdir()) == ["notes.txt"]
+            assert Path(s.workdir, "notes.txt").read_text() == "before"
+            after = await s.run_code(
+                "import os\nprint(os.getcwd(), data, open('notes.txt').read())"
+            )
+            assert after.stdout == f"{s.workdir} [1] before\n", after
+        ok = await s.run_code("data.append(2)", atomic=True)
+        assert ok.ok and not ok.rolled_back
+        assert (await s.run_code("print(data)")).stdout == "[1, 2]\n"
 
 
 async def test_atomic_is_refused_before_anything_runs_where_snapshots_are_not_offered(

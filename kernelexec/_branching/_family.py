@@ -156,6 +156,11 @@ class Brancher:
                 forked.fork_s,
                 listener=forked.kernel,
             )
+            try:
+                await template.ready(self._timeout)
+            except BaseException:
+                template.close()
+                raise
         except BaseException:
             await asyncio.to_thread(_remove, tdir)
             raise
