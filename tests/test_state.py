@@ -4,13 +4,22 @@ listing (bounded whatever the values do), the changes on every result, atomic ru
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 import kernelexec as kx
+from kernelexec._sandbox import _cgroups
+from kernelexec._tempdirs import sweep_stale
 
+from .conftest import wait_exited
 from .test_branching import _OtherBackend
 
 pytestmark = pytest.mark.anyio
@@ -193,6 +202,114 @@ async def test_an_atomic_run_whose_kernel_dies_is_rolled_back(level: str) -> Non
         ok = await s.run_code("data.append(2)", atomic=True)
         assert ok.ok and not ok.rolled_back
         assert (await s.run_code("print(data)")).stdout == "[1, 2]\n"
+
+
+SHOW_TEMPLATE = (
+    "import os, time\n"
+    "data.append(2)\n"
+    "kids = [k for t in os.listdir('/proc/self/task')\n"
+    "        for k in open(f'/proc/self/task/{t}/children').read().split()]\n"
+    "print(os.getpid(), *kids, flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+def _same_confinement(a: int, b: int) -> bool:
+    """Whether processes ``a`` and ``b`` run as one user, in one cgroup, with one set of
+    limits."""
+    seen = []
+    for pid in (a, b):
+        proc = psutil.Process(pid)
+        seen.append(
+            (
+                proc.uids(),
+                Path(f"/proc/{pid}/cgroup").read_text(),
+                Path(f"/proc/{pid}/limits").read_text(),
+            )
+        )
+    return seen[0] == seen[1]
+
+
+@pytest.mark.parametrize("level", ["process", "none"])
+async def test_an_atomic_run_killed_from_outside_is_rolled_back_and_its_session_leaves_nothing(
+    level: str,
+) -> None:
+    limits = kx.Limits(memory_mb=512) if level == "process" else None
+    async with kx.AsyncKernelExecutor(default_timeout=30, isolation=level, limits=limits) as ex:
+        s = await ex.session("atomic-kill")
+        await s.run_code("data = [1]")
+        printed: asyncio.Queue[str] = asyncio.Queue()
+        run = asyncio.create_task(
+            s.run_code(SHOW_TEMPLATE, atomic=True, on_stdout=printed.put_nowait)
+        )
+        kernel, template = (int(p) for p in (await printed.get()).split())
+        # The way back runs as the kernel runs: its user, its cgroup, its limits.
+        assert psutil.Process(template).name() == "kx-template"
+        assert _same_confinement(kernel, template)
+        os.kill(kernel, signal.SIGKILL)
+        r = await run
+        assert r.error is not None and r.error.kind == "kernel_died" and r.rolled_back
+        assert r.lost_variables == []
+        back = await s.run_code("import os\nprint(data, os.getppid())")
+        assert back.stdout == f"[1] {template}\n"  # the restored kernel is a fork of the way back
+        # Everything the session runs now: its kernel, the way back, what they were forked from.
+        left = {template, *_session_processes(s)}
+        await s.aclose()
+        for pid in left:
+            assert wait_exited(pid), f"process {pid} outlived its session"
+        assert ex.kernel_count == 0
+
+
+def _session_processes(s: kx.AsyncSession) -> set[int]:
+    """The processes that run as the session's kernel's user (at \"none\": its kernel)."""
+    conn = s.lease.connection
+    assert conn is not None
+    pid = conn.kernel_pid()
+    assert pid is not None
+    uid = psutil.Process(pid).uids().real
+    if uid == os.geteuid():
+        return {pid}
+    return {p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"].real == uid}
+
+
+HOST = """
+import sys, kernelexec as kx
+ex = kx.KernelExecutor(isolation=sys.argv[1], default_timeout=30)
+s = ex.session("h")
+s.run_code("data = [1]")
+r = s.run_code("import os\\nos._exit(1)", atomic=True)
+assert r.rolled_back, r.error
+print(s.run_code("import os\\nprint(os.getpid(), os.getppid(), os.getuid(), data)").stdout, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["process", "none"])
+def test_the_way_back_of_a_dead_kernel_dies_with_a_sigkilled_host(level: str) -> None:
+    tmp = tempfile.gettempdir()
+    host = subprocess.Popen(
+        [sys.executable, "-c", HOST, level],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": tmp},
+    )
+    assert host.stdin is not None and host.stdout is not None
+    kernel, template, uid, data = host.stdout.readline().split(" ", 3)
+    assert data == "[1]\n"
+    assert psutil.Process(int(template)).name() == "kx-template"
+    left = {int(kernel), int(template)}
+    if int(uid) != os.geteuid():  # and what the kernel was forked from (the same user)
+        left |= {p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"].real == int(uid)}
+    host.kill()
+    host.wait()
+    host.stdout.close()
+    host.stdin.close()
+    for pid in left:
+        assert wait_exited(pid), f"process {pid} outlived its host"
+    sweep_stale(tmp)  # what the dead host could not remove (its directories, cgroups)
+    _cgroups.sweep_stale()
 
 
 async def test_atomic_is_refused_before_anything_runs_where_snapshots_are_not_offered(
