@@ -204,6 +204,22 @@ async def test_an_atomic_run_whose_kernel_dies_is_rolled_back(level: str) -> Non
         assert (await s.run_code("print(data)")).stdout == "[1, 2]\n"
 
 
+async def test_an_atomic_run_the_oom_killer_ends_is_rolled_back() -> None:
+    async with kx.AsyncKernelExecutor(default_timeout=60, limits=kx.Limits(memory_mb=300)) as ex:
+        s = await ex.session("atomic-oom")
+        await s.run_code("data = [1]\nbig = bytearray(100 << 20)")
+        # Writing the pages the way back shares, then past the limit.
+        r = await s.run_code(
+            "data.append(2)\nbig[:] = b'x' * len(big)\nhog = []\n"
+            "while True:\n    hog.append(bytearray(20 << 20))",
+            atomic=True,
+        )
+        assert r.error is not None and r.rolled_back, r.error
+        assert r.error.kind in ("limit_exceeded", "error")  # "error": MemoryError, no cgroups
+        back = await s.run_code("print(data, bytes(big[:2]), 'hog' in globals())")
+        assert back.stdout == "[1] b'\\x00\\x00' False\n"
+
+
 SHOW_TEMPLATE = (
     "import os, time\n"
     "data.append(2)\n"
@@ -212,6 +228,23 @@ SHOW_TEMPLATE = (
     "print(os.getpid(), *kids, flush=True)\n"
     "time.sleep(60)\n"
 )
+
+
+async def test_an_atomic_run_that_kills_its_way_back_says_it_was_not_rolled_back() -> None:
+    async with kx.AsyncKernelExecutor(default_timeout=30) as ex:
+        s = await ex.session("atomic-spoil")
+        await s.run_code("data = [1]")
+        r = await s.run_code(
+            SHOW_TEMPLATE.replace("time.sleep(60)", "os.kill(int(kids[0]), 9)\nos._exit(1)"),
+            atomic=True,
+        )
+        assert r.error is not None and not r.rolled_back
+        assert r.error.evalue.endswith(
+            "[kernelexec: this atomic run was NOT rolled back: the snapshot's process was killed]"
+        )
+        assert r.lost_variables == ["data"]
+        after = await s.run_code("import os\nprint(os.getcwd(), globals().get('data'))")
+        assert after.stdout == f"{s.workdir} None\n", after  # a fresh kernel, in its directory
 
 
 def _same_confinement(a: int, b: int) -> bool:

@@ -214,14 +214,14 @@ class SessionBranches:
         was, else why it could not be."""
         try:
             if not snap.template.alive():
-                # Killed from outside (its kernel's death does not end it: before_atomic).
+                # Killed (by its user, the OOM killer): a kernel's death does not end it.
                 await finish_shielded(snap.aclose())
                 # Freeing it shut the dead kernel down for good, which handed the working
                 # directory back from its user: give it to the kernel that replaced it.
                 conn = session.lease.connection
                 if conn is not None and isinstance(session.workdir, Path):
                     await conn.enter_workdir(str(session.workdir))
-                return "the snapshot ended with the kernel"
+                return "the snapshot's process was killed"
             try:
                 await self.restore(session, snap)
             except (BranchError, KernelStartError, TreeLimitError) as exc:
