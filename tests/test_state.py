@@ -470,11 +470,15 @@ def test_a_recorded_rolled_back_step_replays_as_it_happened(tmp_path: Path) -> N
         s.run_code("data = [1]")
         undone = s.run_code("data.append(2)\nraise ValueError('no')", atomic=True)
         assert undone.rolled_back
+        died = s.run_code("data.append(3)\nimport os\nos._exit(1)", atomic=True)
+        assert died.rolled_back
         assert s.run_code("print(data)").stdout == "[1]\n"
     nb = nbformat.read(tmp_path / "rec.ipynb", as_version=4)
     meta = [c.metadata["kernelexec"] for c in nb.cells]
-    assert meta[1]["rolled_back"] is True
-    assert not meta[2]["fresh_kernel"]  # the restored kernel continues the recorded one
+    assert meta[1]["rolled_back"] is True and meta[2]["rolled_back"] is True
+    # The kernel put on a branch of itself for the first atomic run, and the restored ones,
+    # continue the recorded one (replay restarts nothing).
+    assert [m["fresh_kernel"] for m in meta] == [True, False, False, False]
     report = kx.replay(tmp_path / "rec.ipynb")
     assert report.ok, report.differences
-    assert report.cells_run == 3
+    assert report.cells_run == 4
