@@ -174,6 +174,10 @@ async def test_atomic_run_rolls_back_a_timeout_and_a_tool_call() -> None:
         assert bad.error is not None and bad.error.kind == "invalid_args" and bad.rolled_back
 
 
+def _files(top: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in top.iterdir()}
+
+
 @pytest.mark.parametrize("level", ["process", "none"])
 async def test_an_atomic_run_whose_kernel_dies_is_rolled_back(level: str) -> None:
     async with kx.AsyncKernelExecutor(default_timeout=30, isolation=level) as ex:
@@ -193,8 +197,7 @@ async def test_an_atomic_run_whose_kernel_dies_is_rolled_back(level: str) -> Non
             assert r.error is not None and r.error.kind == "kernel_died", r.error
             assert r.rolled_back and "NOT rolled back" not in r.error.evalue, (n, r.error.evalue)
             assert r.lost_variables == [] and not r.kernel_restarted
-            assert sorted(p.name for p in Path(s.workdir).iterdir()) == ["notes.txt"]
-            assert Path(s.workdir, "notes.txt").read_text() == "before"
+            assert _files(Path(s.workdir)) == {"notes.txt": "before"}
             after = await s.run_code(
                 "import os\nprint(os.getcwd(), data, open('notes.txt').read())"
             )
@@ -312,7 +315,8 @@ s = ex.session("h")
 s.run_code("data = [1]")
 r = s.run_code("import os\\nos._exit(1)", atomic=True)
 assert r.rolled_back, r.error
-print(s.run_code("import os\\nprint(os.getpid(), os.getppid(), os.getuid(), data)").stdout, flush=True)
+shown = s.run_code("import os\\nprint(os.getpid(), os.getppid(), os.getuid(), data)")
+print(shown.stdout, flush=True)
 sys.stdin.read()
 """
 

@@ -18,8 +18,9 @@ name: another kernel may lack them). Three processes take part:
 
 Lifetimes: C dies with T (``PR_SET_PDEATHSIG``), T with K until the host has connected to it,
 then with the host's connection (closed when the host frees the snapshot or dies): T outlives
-a K that dies. The host keeps a parent alive while it has branches. Every process is made non-dumpable, so a branch (same uid as its
-parent at ``"process"``) cannot read another's memory through ``/proc`` or ``ptrace``.
+a K that dies. The host keeps a parent alive while it has branches. Every process is made
+non-dumpable, so a branch (same uid as its parent at ``"process"``) cannot read another's
+memory through ``/proc`` or ``ptrace``.
 """
 
 from __future__ import annotations
