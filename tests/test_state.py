@@ -250,6 +250,27 @@ async def test_an_atomic_run_that_kills_its_way_back_says_it_was_not_rolled_back
         assert after.stdout == f"{s.workdir} None\n", after  # a fresh kernel, in its directory
 
 
+async def test_a_kernel_running_threads_keeps_them_and_says_a_death_was_not_rolled_back() -> None:
+    async with kx.AsyncKernelExecutor(default_timeout=30) as ex:
+        s = await ex.session("atomic-threads")
+        await s.run_code(
+            "import threading\ndata = [1]\nticks = []\nstop = threading.Event()\n"
+            "threading.Thread(target=lambda: [ticks.append(1) for _ in iter(lambda: "
+            "stop.wait(0.01), True)], daemon=True, name='ticker').start()"
+        )
+        ok = await s.run_code("data.append(2)", atomic=True)
+        assert ok.ok and ok.stderr == ""  # no "threads do not run here" warning: not moved
+        alive = await s.run_code("n = len(ticks)\nstop.wait(0.2)\nprint(len(ticks) > n)")
+        assert alive.stdout == "True\n"  # the user's thread still runs
+        died = await s.run_code("data.append(3)\nimport os\nos._exit(1)", atomic=True)
+        assert died.error is not None and died.error.kind == "kernel_died"
+        if s.isolation.level == "process":
+            assert not died.rolled_back and died.lost_variables
+            assert "NOT rolled back: the snapshot ended with the kernel" in died.error.evalue
+        else:
+            assert died.rolled_back
+
+
 def _same_confinement(a: int, b: int) -> bool:
     """Whether processes ``a`` and ``b`` run as one user, in one cgroup, with one set of
     limits."""

@@ -71,6 +71,9 @@ class AsyncSnapshot:
         """A copy of the session's working directory at the snapshot (host filesystem)."""
         self.setup_ran = False
         """Whether the session's ``setup_code`` had run in the kernel at the snapshot."""
+        self.outlives_kernel = False
+        """Whether it outlives the kernel it was taken of (not a launcher's own kernel at
+        ``"process"``, whose end ends every descendant)."""
 
     @property
     def closed(self) -> bool:

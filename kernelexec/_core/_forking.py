@@ -124,6 +124,7 @@ class SessionBranches:
         template = await self.brancher.snapshot(conn, session.agent_id)
         snap = AsyncSnapshot(self.brancher, template, session.agent_id, session.lease.names)
         snap.setup_ran = session.setup_current
+        snap.outlives_kernel = _outlived_by_forks(conn)
         if isinstance(session.workdir, Path):
             files = make_owned_dir("kx-")
             template.extra_dirs.append(files)
@@ -185,11 +186,15 @@ class SessionBranches:
 
     async def _rebase(self, session: AsyncSession, conn: KernelConnection) -> None:
         """Put a branch of ``session``'s kernel ``conn`` in its place: the same state, but a
-        kernel whose death ends none of its forks (``conn`` is kept, idle, for the branch)."""
+        kernel whose death ends none of its forks (``conn`` is kept, idle, for the branch).
+        Not where the kernel runs threads of the user's: a fork has none, and a successful
+        run must not lose them."""
         self.brancher.check(conn, session.isolation.level, self._backend)
         template = await self.brancher.snapshot(conn, session.agent_id)
         snap = AsyncSnapshot(self.brancher, template, session.agent_id, ())
         try:
+            if template.threads:
+                return
             branch = (await self._branches_of(snap, session.agent_id, 1))[0]
         finally:
             await finish_shielded(snap.aclose())  # kept while the branch lives
@@ -214,13 +219,19 @@ class SessionBranches:
         was, else why it could not be."""
         try:
             if not snap.template.alive():
-                # Killed (by its user, the OOM killer): a kernel's death does not end it.
+                # Killed (by its user, the OOM killer), or ended with a kernel it could not
+                # outlive (before_atomic).
                 await finish_shielded(snap.aclose())
                 # Freeing it shut the dead kernel down for good, which handed the working
                 # directory back from its user: give it to the kernel that replaced it.
                 conn = session.lease.connection
                 if conn is not None and isinstance(session.workdir, Path):
                     await conn.enter_workdir(str(session.workdir))
+                if not snap.outlives_kernel:
+                    return (
+                        "the snapshot ended with the kernel (the kernel runs threads of its "
+                        "own, so the session was not moved to a branch, which would not have them)"
+                    )
                 return "the snapshot's process was killed"
             try:
                 await self.restore(session, snap)
