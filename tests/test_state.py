@@ -204,7 +204,12 @@ async def test_an_atomic_run_whose_kernel_dies_is_rolled_back(level: str) -> Non
             assert after.stdout == f"{s.workdir} [1] before\n", after
         ok = await s.run_code("data.append(2)", atomic=True)
         assert ok.ok and not ok.rolled_back
-        assert (await s.run_code("print(data)")).stdout == "[1, 2]\n"
+        shown = await s.run_code("import os\nprint(data, os.getppid())")
+        data, template = shown.stdout.rsplit(" ", 1)
+        assert data == "[1, 2]"
+        left = {int(template), *_session_processes(s)}  # the kernel, what it was forked from
+    for pid in left:
+        assert wait_exited(pid), f"process {pid} outlived its executor"
 
 
 async def test_an_atomic_run_the_oom_killer_ends_is_rolled_back() -> None:
