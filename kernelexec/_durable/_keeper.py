@@ -34,7 +34,7 @@ from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import ExecuteRequest
 
 if TYPE_CHECKING:
-    from kernelexec._core._lease import LeasedKernel, Leaving
+    from kernelexec._core._lease import Arrival, LeasedKernel, Leaving
 
 log = logging.getLogger("kernelexec")
 
@@ -131,16 +131,19 @@ class SessionState:
 
     # -- a fresh kernel -----------------------------------------------------------------------
 
-    async def attached(self, kernel: LeasedKernel, *, branched: bool) -> Restored | None:
-        """A fresh kernel is attached: restore the saved state into it when there is one;
+    async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
+        """A kernel is attached: restore the saved state into a fresh one when there is one;
         return what came back (its ``not_restored`` names are reported lost). The working
         directory (restored files included) is handed to the kernel's user first. A
-        ``branched`` kernel (a fork, a restored snapshot) has its state: the saved one is
-        stale and deleted, and the kernel forgets what it remembers of its origin's saves."""
+        ``"branched"`` kernel (a fork, a restored snapshot) has its state: the saved one is
+        stale and deleted, and the kernel forgets what it remembers of its origin's saves. The
+        ``"same"`` kernel on a new connection changes nothing."""
+        if how == "same":
+            return None
         run, generation = kernel.ask, kernel.generation
         self._installed_in = -1
         self._hook_broken = False
-        if branched:
+        if how == "branched":
             await asyncio.to_thread(self._invalidate)
         if not self._loaded:
             self._loaded = True
