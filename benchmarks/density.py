@@ -77,9 +77,7 @@ def ms(values: list[float]) -> dict[str, float]:
 
 
 async def baseline_times(n: int, workdir: str) -> list[float]:
-    return await bench.timed(
-        n, lambda: bench.baseline_call(bench.ADD_SOURCE, "add", ARGS, workdir)
-    )
+    return await bench.timed(n, lambda: bench.baseline_call(bench.ADD_SOURCE, "add", ARGS, workdir))
 
 
 # -- memory -----------------------------------------------------------------------------------
@@ -468,7 +466,8 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
             out.append(
                 (
                     f"host CPU per call <= 0.2 ms ({t['sessions']} calling)",
-                    f"{t['host_cpu_ms_per_call']:.2f} ms (kernel {t['kernel_cpu_ms_per_call']:.2f})",
+                    f"{t['host_cpu_ms_per_call']:.2f} ms"
+                    f" (kernel {t['kernel_cpu_ms_per_call']:.2f})",
                     "-",
                     "-",
                     met(t["host_cpu_ms_per_call"] <= 0.2),
