@@ -332,6 +332,18 @@ async def cold_section(rounds: int, workdir: str) -> dict[str, Any]:
 # -- ten thousand agents -----------------------------------------------------------------------
 
 
+def tree_cpu_s() -> float:
+    """CPU seconds of this process and everything below it, ended processes included (a
+    process's reaped children count in its ``children_*`` times)."""
+    me = psutil.Process().cpu_times()
+    total = me.user + me.system + me.children_user + me.children_system
+    for p in scale.descendants():
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system + t.children_user + t.children_system
+    return float(total)
+
+
 async def agents_section(scale_: float, calls: int, callers: int) -> dict[str, Any]:
     agents = max(16, int(10_000 * scale_))
     budget = max(8, int(300 * scale_))
@@ -372,9 +384,10 @@ async def agents_section(scale_: float, calls: int, callers: int) -> dict[str, A
                     wrong += r.stdout != f"agent-{i} {i}\n"
 
             log(f"  filled in {fill_s:.0f} s; {calls} calls of random agents")
-            t0 = time.perf_counter()
+            cpu0, t0 = tree_cpu_s(), time.perf_counter()
             await asyncio.gather(*(call() for _ in range(callers)))
             call_s = time.perf_counter() - t0
+            cpu_per_call = (tree_cpu_s() - cpu0) / calls
             live = len(ex.sessions)
     return {
         "agents": agents,
@@ -385,11 +398,38 @@ async def agents_section(scale_: float, calls: int, callers: int) -> dict[str, A
         "calls": calls,
         "calls_s": call_s,
         "calls_per_s": calls / call_s,
+        "cpu_ms_per_call": cpu_per_call * 1e3,
         "call": ms(times),
         "woken": restored,
         "wrong_state": wrong,
         "sessions_known_at_end": live,
     }
+
+
+FORK_FLOOR = """
+import os, sys, time
+blob = bytearray(b"x") * int(float(sys.argv[1]) * (1 << 30))
+small = [str(i) for i in range(1_000_000)]
+times = []
+for _ in range(5):
+    t0 = time.perf_counter()
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    times.append(time.perf_counter() - t0)
+    os.waitpid(pid, 0)
+print(sorted(times)[2])
+"""
+
+
+async def fork_floor_ms(gib: float) -> float:
+    """The floor of a branch's parent pause: a bare ``os.fork()`` of a Python process holding
+    the same state (median of 5)."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-c", FORK_FLOOR, str(gib), stdout=asyncio.subprocess.PIPE
+    )
+    out, _ = await proc.communicate()
+    return float(out.decode().strip()) * 1e3
 
 
 # -- table ------------------------------------------------------------------------------------
@@ -491,18 +531,20 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         b = res["branch"]
         gib = res["args"]["gib"]
         for label, key, basekey, goal in (
-            (f"parent pause of a {gib:g} GiB fork", "parent_paused_s", None, 30),
+            (f"parent pause of a {gib:g} GiB fork", "parent_paused_s", "bare_fork_ms", 30),
             ("8 children answering", "fork_eight_answered_s", "baseline_new_session_s", 150),
             ("snapshot", "snapshot_s", "baseline_pickle_save_s", 30),
             ("restore + next call", "restore_s", "baseline_pickle_load_s", 60),
         ):
             v = b[key] * 1e3
-            bv = b[basekey] * 1e3 if basekey else None
+            bv = b[basekey] * (1 if basekey.endswith("_ms") else 1e3) if basekey else None
             out.append(
                 (
                     f"{label} <= {goal} ms",
                     f"{v:.0f} ms",
-                    f"{bv:.0f} ms" if bv else "-",
+                    f"{'bare os.fork() ' if basekey == 'bare_fork_ms' else ''}{bv:.0f} ms"
+                    if bv
+                    else "-",
                     f"{bv / v:.1f}x faster" if bv else "-",
                     met(v <= goal),
                 )
@@ -514,7 +556,8 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
                 "10,000 agents: random call p50/p99, 0 wrong",
                 f"{a['agents']:,} agents (scale {a['scale']:g}), max_kernels {a['max_kernels']}:"
                 f" {a['call']['p50_ms']:.0f} / {a['call']['p99_ms']:.0f} ms,"
-                f" {a['wrong_state']} wrong of {a['calls']} ({a['woken']} woken);"
+                f" {a['wrong_state']} wrong of {a['calls']} ({a['woken']} woken),"
+                f" {a['cpu_ms_per_call']:.0f} ms CPU a call;"
                 f" filled in {a['fill_s']:.0f} s",
                 "-",
                 "-",
@@ -555,6 +598,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 res["cold"] = await cold_section(args.rounds, workdir)
             elif section == "branch":
                 res["branch"] = await branching.measure(args.gib, {})
+                res["branch"]["bare_fork_ms"] = await fork_floor_ms(args.gib)
             elif section == "agents":
                 res["agents"] = await agents_section(args.scale, args.calls, 8)
             res["load_average"][section] = os.getloadavg()

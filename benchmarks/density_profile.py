@@ -7,6 +7,8 @@
   main thread's busy samples in each function (inclusive);
 - ``start``: py-spy on the fork server and its children (``--subprocesses``) over cold starts
   at ``"process"``: what a new kernel spends its start on;
+- ``restore``: py-spy on a prewarmed kernel and on the host while it wakes an agent holding
+  64 MiB of bytes and a million-int list;
 - ``modules``: the modules a forked kernel imports after the fork (its own memory, not shared
   with the fork server), with the size of their source.
 
@@ -221,6 +223,71 @@ async def start_profile(py_spy: str, starts: int, keep: str) -> dict[str, Any]:
     }
 
 
+async def restore_profile(py_spy: str, keep: str) -> dict[str, Any]:
+    """py-spy on a prewarmed kernel and on this host while the kernel wakes an agent holding
+    64 MiB of bytes and a list of a million ints."""
+    import psutil
+
+    with tempfile.TemporaryDirectory(prefix="kxprof-") as tmp:
+        async with kx.AsyncKernelExecutor(state_dir=tmp, prewarm=1) as ex:
+            s = await ex.session("large")
+            made = await s.run_code("blob = bytes(64 * 1024 * 1024)\nints = list(range(1_000_000))")
+            made.raise_for_error()
+            await s.hibernate()
+            await ex.warm_up()
+            pool = [
+                p.pid
+                for p in psutil.Process().children(recursive=True)
+                if " ".join(p.cmdline()).startswith("kernelexec kernel (pool)")
+            ]
+            spies = {}
+            for who, pid in (("kernel", pool[0]), ("host", os.getpid())):
+                out = Path(tmp, f"{who}.txt")
+                spies[who] = (
+                    out,
+                    subprocess.Popen(  # noqa: ASYNC220 (py-spy runs beside the loop)
+                        [
+                            py_spy,
+                            "record",
+                            "-r",
+                            "1000",
+                            "-f",
+                            "raw",
+                            "-o",
+                            str(out),
+                            "--threads",
+                            "--nonblocking",
+                            "-p",
+                            str(pid),
+                        ],
+                        stdout=subprocess.DEVNULL,
+                        stderr=subprocess.DEVNULL,
+                    ),
+                )
+            await asyncio.sleep(1.0)
+            t0 = time.perf_counter()
+            back = await (await ex.session("large")).run_code("print(len(ints))")
+            wake = time.perf_counter() - t0
+            assert back.stdout == "1000000\n" and back.restored is not None, back
+            texts = {}
+            for who, (out, spy) in spies.items():
+                spy.send_signal(2)
+                spy.wait(30)
+                texts[who] = out.read_text() if out.exists() else ""
+                if keep:
+                    Path(keep, f"restore-{who}.txt").write_text(texts[who])  # noqa: ASYNC240
+    kernel = _inclusive(texts["kernel"], thread="MainThread")
+    host = _inclusive(texts["host"], thread="MainThread")
+    return {
+        "wake_ms": wake * 1e3,
+        "restored_seconds_ms": back.restored.seconds * 1e3,
+        "kernel_busy_samples": kernel[0],
+        "kernel_inclusive": kernel[1],
+        "host_busy_samples": host[0],
+        "host_inclusive": host[1],
+    }
+
+
 def _forkserver_pids() -> list[int]:
     import psutil
 
@@ -277,6 +344,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
             out["host"] = await host_profile(args.calls)
         elif what == "modules":
             out["modules"] = await modules_profile()
+        elif what == "restore":
+            out["restore"] = await restore_profile(args.py_spy, args.keep)
         elif what in ("kernel", "start"):
             if not args.py_spy:
                 raise SystemExit(f"{what}: needs --py-spy PATH")
@@ -301,10 +370,14 @@ def show(out: dict[str, Any]) -> None:
             print(f"  {v:6.1%}  kernelexec/{k}")
         for name, share in h["own_time_share"][:20]:
             print(f"  {share:6.1%}  {name}")
-    for key in ("kernel", "start"):
-        if key in out:
-            k = out[key]
-            shares = k.get("main_thread_inclusive") or k.get("inclusive")
+    for key in ("kernel", "start", "restore", "restore-host"):
+        if key.split("-")[0] in out:
+            k = out[key.split("-")[0]]
+            shares = (
+                k.get("main_thread_inclusive")
+                or k.get("host_inclusive" if key == "restore-host" else "kernel_inclusive")
+                or k.get("inclusive")
+            )
             print(f"{key}: {json.dumps({x: y for x, y in k.items() if 'inclusive' not in x})}")
             for name, share in shares[:40]:
                 print(f"  {share:6.1%}  {name}")
@@ -320,7 +393,9 @@ def show(out: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("what", nargs="+", choices=("host", "kernel", "start", "modules"))
+    parser.add_argument(
+        "what", nargs="+", choices=("host", "kernel", "start", "modules", "restore")
+    )
     parser.add_argument("--py-spy", default="", help="a py-spy executable")
     parser.add_argument("--calls", type=int, default=2000)
     parser.add_argument("--seconds", type=float, default=5)

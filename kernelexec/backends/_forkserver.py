@@ -39,6 +39,8 @@ import time
 from typing import IO, Any
 
 from kernelexec import _proctitle
+from kernelexec._protocol import _host as protocol
+from kernelexec._protocol import _kernel_side as kernel_side
 from kernelexec._sandbox import _launcher
 from kernelexec.backends._stderr import stderr_tail
 
@@ -49,6 +51,7 @@ SOURCE = (
     + _proctitle.SOURCE
     + f"kx_set_title({_proctitle.FORK_SERVER!r}, {_proctitle.COMMS[_proctitle.FORK_SERVER]!r})\n"
     + f"KERNEL_COMM = {_proctitle.COMMS[_proctitle.KERNEL]!r}\n"
+    + f"COMPILED = {kernel_side.COMPILED_MODULE_NAME!r}\n"
     + r"""
 import ctypes, gc, json, os, signal, socket, sys
 # No collection while the server imports, and what it imported frozen before the first fork:
@@ -79,6 +82,17 @@ try:
     import ipykernel.debugger
 except ImportError:
     pass
+# The kernel side's sources, compiled once here: a kernel that installs the same text runs
+# this code instead of compiling it (a quarter of a forked kernel's start-up CPU).
+import types
+compiled = types.ModuleType(COMPILED)
+compiled.codes = {}
+for text in sys.argv[4:]:
+    try:
+        compiled.codes[text] = compile(text, "<kernelexec>", "exec")
+    except Exception:
+        pass  # the kernel compiles it itself and reports what is wrong
+sys.modules[COMPILED] = compiled
 gc.collect()
 gc.freeze()
 
@@ -255,7 +269,13 @@ class ForkServer:
         argv = [self.python, *([] if self._user_site else ["-s"]), "-c", SOURCE]
         try:
             self._proc = subprocess.Popen(
-                [*argv, str(os.getpid()), str(theirs.fileno()), _launcher.SOURCE],
+                [
+                    *argv,
+                    str(os.getpid()),
+                    str(theirs.fileno()),
+                    _launcher.SOURCE,
+                    *protocol.kernel_side_sources().values(),
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=self._stderr,
