@@ -305,7 +305,8 @@ async def modules_profile() -> dict[str, Any]:
     """Modules a forked kernel has that its fork server did not import."""
     head = _forkserver.SOURCE.split("sys.modules.setdefault('debugpy', None)\n", 1)[1]
     imports = head.split("gc.collect()", 1)[0]
-    probe = "import sys, json\nsys.modules.setdefault('debugpy', None)\n" + imports
+    probe = "import sys, json\nCOMPILED = '__kx_probe__'\nsys.modules.setdefault('debugpy', None)\n"
+    probe += imports
     probe += "print(json.dumps(sorted(sys.modules)))\n"
     done = subprocess.run(  # noqa: ASYNC221 (nothing else runs meanwhile)
         [sys.executable, "-s", "-c", probe], capture_output=True, text=True, check=True
