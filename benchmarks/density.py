@@ -344,15 +344,19 @@ def tree_cpu_s() -> float:
     return float(total)
 
 
-async def agents_section(scale_: float, calls: int, callers: int) -> dict[str, Any]:
+async def agents_section(scale_: float, calls: int, callers: int, prewarm: int) -> dict[str, Any]:
     agents = max(16, int(10_000 * scale_))
     budget = max(8, int(300 * scale_))
-    log(f"agents: {agents} agents, max_kernels={budget}, {callers} callers")
+    log(f"agents: {agents} agents, max_kernels={budget}, prewarm={prewarm}, {callers} callers")
     times: list[float] = []
     restored = wrong = 0
     with tempfile.TemporaryDirectory(prefix="kxagents-") as state:
         async with kx.AsyncKernelExecutor(
-            state_dir=state, max_kernels=budget, default_timeout=300, start_timeout=300
+            state_dir=state,
+            max_kernels=budget,
+            prewarm=prewarm,
+            default_timeout=300,
+            start_timeout=300,
         ) as ex:
             queue: asyncio.Queue[int] = asyncio.Queue()
             for i in range(agents):
@@ -367,7 +371,7 @@ async def agents_section(scale_: float, calls: int, callers: int) -> dict[str, A
                         log(f"  agent {i}")
 
             t0 = time.perf_counter()
-            await asyncio.gather(*(make() for _ in range(callers)))
+            await asyncio.gather(*(make() for _ in range(8)))
             fill_s = time.perf_counter() - t0
             picks = [random.randrange(agents) for _ in range(calls)]
             for i in picks:
@@ -393,6 +397,7 @@ async def agents_section(scale_: float, calls: int, callers: int) -> dict[str, A
         "agents": agents,
         "scale": scale_,
         "max_kernels": budget,
+        "prewarm": prewarm,
         "callers": callers,
         "fill_s": fill_s,
         "calls": calls,
@@ -554,7 +559,8 @@ def rows(res: dict[str, Any]) -> list[tuple[str, str, str, str, str]]:
         out.append(
             (
                 "10,000 agents: random call p50/p99, 0 wrong",
-                f"{a['agents']:,} agents (scale {a['scale']:g}), max_kernels {a['max_kernels']}:"
+                f"{a['agents']:,} agents (scale {a['scale']:g}), max_kernels {a['max_kernels']},"
+                f" prewarm {a.get('prewarm', 0)}, {a['callers']} callers:"
                 f" {a['call']['p50_ms']:.0f} / {a['call']['p99_ms']:.0f} ms,"
                 f" {a['wrong_state']} wrong of {a['calls']} ({a['woken']} woken),"
                 f" {a['cpu_ms_per_call']:.0f} ms CPU a call;"
@@ -600,7 +606,9 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
                 res["branch"] = await branching.measure(args.gib, {})
                 res["branch"]["bare_fork_ms"] = await fork_floor_ms(args.gib)
             elif section == "agents":
-                res["agents"] = await agents_section(args.scale, args.calls, 8)
+                res["agents"] = await agents_section(
+                    args.scale, args.calls, args.callers, args.prewarm
+                )
             res["load_average"][section] = os.getloadavg()
             res.setdefault("section_s", {})[section] = time.perf_counter() - t0
     res["total_s"] = time.perf_counter() - started
@@ -613,6 +621,8 @@ def main() -> int:
     parser.add_argument("--sessions", default="100,500", help="live sessions, comma-separated")
     parser.add_argument("--scale", type=float, default=0.1, help="of 10,000 agents")
     parser.add_argument("--calls", type=int, default=400, help="random agent calls")
+    parser.add_argument("--callers", type=int, default=8, help="agents row: calling at once")
+    parser.add_argument("--prewarm", type=int, default=0, help="agents row: pooled kernels")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--window", type=float, default=3.0, help="seconds per calls/s row")
     parser.add_argument("--gib", type=float, default=1.0, help="branching state")
