@@ -6,7 +6,8 @@ The server is standard-library Python run as text (``python -c``) by the kernel'
 interpreter. It creates no zmq context, thread or event loop before forking: every child starts
 its kernel (``IPKernelApp``) from scratch, with its own connection file and key, working
 directory, environment (the kernel's, set before anything of the kernel runs), session and
-standard streams. At ``isolation="process"`` the child first runs kernelexec's launcher
+standard streams. The server compiles the kernel side's source once, and its kernels run that
+code when they install it. At ``isolation="process"`` the child first runs kernelexec's launcher
 (``_sandbox._launcher``, the same text and the same ``setup()`` as the plain launch), so the
 kernel gets its cgroups, rlimits and own user under a subreaper that kills every descendant.
 
@@ -223,6 +224,16 @@ def supported() -> bool:
     return hasattr(os, "pidfd_open") and hasattr(socket, "send_fds") and hasattr(os, "fork")
 
 
+_ARG_MAX = 100_000
+"""The longest source text passed on the server's command line (Linux refuses one argument
+past 128 KiB); a longer one is compiled by each kernel."""
+
+
+def _precompiled() -> list[str]:
+    """The kernel side's source texts the server compiles once for its kernels."""
+    return [t for t in protocol.kernel_side_sources().values() if len(t.encode()) <= _ARG_MAX]
+
+
 class ForkServerError(RuntimeError):
     """The fork server could not fork (it is gone, or never came up)."""
 
@@ -274,7 +285,7 @@ class ForkServer:
                     str(os.getpid()),
                     str(theirs.fileno()),
                     _launcher.SOURCE,
-                    *protocol.kernel_side_sources().values(),
+                    *_precompiled(),
                 ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
