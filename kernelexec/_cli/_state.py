@@ -24,7 +24,7 @@ def cmd_state_sessions(ns: argparse.Namespace) -> int:
     store = StateStore(root)
     if ns.delete is not None:
         try:
-            store.open()  # not while an executor uses the directory
+            store.open(exclusive=True)  # not while an executor uses the directory
         except ConfigError as exc:
             print(f"kernelexec: {exc}", file=sys.stderr)
             return EXIT_USAGE

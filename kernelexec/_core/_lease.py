@@ -132,6 +132,8 @@ class KernelLease:
         """Put ``conn`` (a restored snapshot, holding ``names``) in place of the kernel."""
         if self._pool is None:
             self._pool = await self._get_pool()
+        if self.keeper is not None and self._conn is None:
+            await self.keeper.hold_agent()
         old, self._conn = self._conn, conn
         await self._pool.exchange(old, conn)
         await self._attached(branched=True)
@@ -179,6 +181,8 @@ class KernelLease:
         names lost since the last run when state was lost (else None)."""
         missing: list[str] = []
         if self._conn is None:
+            if self.keeper is not None:
+                await self.keeper.hold_agent()  # another executor may hold it: asked to let go
             if self._pool is None:
                 self._pool = await self._get_pool()
             # If no kernel can be had now (a gateway that is down), the lost names wait for
@@ -318,6 +322,8 @@ class KernelLease:
         self._tell(None)
         assert self._pool is not None
         await self._pool.discard(conn)
+        if self.keeper is not None:
+            self.keeper.let_agent_go()
         if self.on_evicted is not None:
             self.on_evicted()
 
@@ -345,6 +351,8 @@ class KernelLease:
             self._tell(None)
         if conn is not None and self._pool is not None:
             await self._pool.discard(conn)
+        if self.keeper is not None:
+            self.keeper.let_agent_go()
 
     async def _attached(self, branched: bool = False) -> list[str]:
         """Set a fresh kernel up; return the names a restore did not bring back. A

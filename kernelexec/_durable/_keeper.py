@@ -25,6 +25,7 @@ from typing import Any, Literal
 from kernelexec import _trees
 from kernelexec._durable import _files
 from kernelexec._durable import _kernel_state as ks
+from kernelexec._durable._handoff import AgentClaim
 from kernelexec._durable._store import Manifest, StateStore, now_iso
 from kernelexec._exceptions import CheckpointTooLargeError, StateError
 from kernelexec._models import Hibernation, Restored
@@ -76,6 +77,8 @@ class SessionState:
             the records where the kernel reads them instead of copying them.
         secret_names: The executor's ``env_vars`` names: their values are never written to
             the store, and on a restore the fresh kernel's values win over any saved.
+        claim: The agent's lease in a ``state_dir`` other executors may share
+            (:mod:`._handoff`): held before a kernel of the session runs.
     """
 
     def __init__(
@@ -89,8 +92,10 @@ class SessionState:
         limit: int,
         same_user: bool = False,
         secret_names: frozenset[str] = frozenset(),
+        claim: AgentClaim | None = None,
     ) -> None:
         self.store = store
+        self.claim = claim
         self.secret_names = secret_names
         self.agent_id = agent_id
         self.env = env
@@ -108,11 +113,31 @@ class SessionState:
         self._files: tuple[_files.Signature, dict[str, Any] | None] | None = None
         self._marking = False  # no checkpoint yet: a marker on disk lists the names
         self._marked: tuple[str, ...] | None = None  # the names the marker on disk lists
+        self._taken_after: int | None = None  # the checkpoint known when the agent was retaken
 
     @property
     def staging(self) -> Path:
         """Where the kernel stages record files (inside the session's working directory)."""
         return self.workdir / ks.STAGING
+
+    # -- the agent's lease --------------------------------------------------------------------
+
+    async def hold_agent(self) -> None:
+        """Hold the agent in the store before a kernel of the session runs: taken again after
+        it went (perhaps to another executor), what the disk holds is read again.
+
+        Raises:
+            AgentBusyError: another executor holds it and did not hand it over.
+        """
+        if self.claim is None or not await self.claim.take():
+            return
+        self._taken_after = self._manifest.gen if self._manifest is not None else -1
+        self._loaded, self._files = False, None
+
+    def let_agent_go(self) -> None:
+        """The session's kernel is gone: another executor may take the agent."""
+        if self.claim is not None:
+            self.claim.release()
 
     # -- a fresh kernel -----------------------------------------------------------------------
 
@@ -138,6 +163,11 @@ class SessionState:
                 self.store.load, self.agent_id, self.env
             )
             self._to_restore = self._manifest is not None or bool(self._problems)
+        if self._taken_after is not None:
+            newer = self._manifest is not None and self._manifest.gen != self._taken_after
+            self._taken_after = None
+            if newer:  # another executor ran the agent: this directory's files are stale
+                await asyncio.to_thread(_empty, self.workdir)
         restored, lost = None, []
         if self._to_restore:
             self._to_restore = False
@@ -528,6 +558,15 @@ def _copy_out(source: Path, name: str, dir_fd: int) -> None:
                 offset += sent
     finally:
         os.close(fd)
+
+
+def _empty(workdir: Path) -> None:
+    """Remove what the working directory holds (nothing followed)."""
+    top = _trees.open_top(workdir)
+    try:
+        _trees.clear(top)
+    finally:
+        os.close(top)
 
 
 def _clear_staging(staging: Path) -> None:

@@ -3,7 +3,9 @@
 Layout (private: directories 0700, files 0600, owned by the host's user)::
 
     state_dir/
-        LOCK                      flock()ed by the one executor that uses the directory
+        LOCK                      flock()ed shared by every executor using the directory
+                                  (exclusively by ``kernelexec sessions --delete``)
+        leases/, holders/         which executor holds which agent (see ``_leases``)
         agents/<key>/             key = sha256 of the agent id (and environment): an id is
             manifest.json         never a path, so no id can escape the directory
             manifest.prev.json    the checkpoint before, kept as a fall-back
@@ -90,7 +92,7 @@ def now_iso() -> str:
 
 
 class StateStore:
-    """A ``state_dir``, locked for one executor while open.
+    """A ``state_dir``, locked (shared) while an executor uses it.
 
     Args:
         root: The directory (made, mode 0700, if missing).
@@ -100,12 +102,13 @@ class StateStore:
         self.root = root
         self._lock_fd: int | None = None
 
-    def open(self) -> None:
-        """Make the directory private and take its lock.
+    def open(self, exclusive: bool = False) -> None:
+        """Make the directory private and take its lock: shared (executors, any number), or
+        ``exclusive`` (no executor may use it meanwhile).
 
         Raises:
-            ConfigError: it cannot be made, is not private to this user, or another executor
-                uses it now.
+            ConfigError: it cannot be made, is not private to this user, or (``exclusive``)
+                an executor uses it now.
         """
         try:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -118,12 +121,12 @@ class StateStore:
         except OSError as exc:
             raise ConfigError(f"state_dir {self.root}: {exc.strerror or exc}") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
             raise ConfigError(
-                f"state_dir {self.root} is in use by another executor (one executor per "
-                "state_dir: two would overwrite each other's checkpoints)"
+                f"state_dir {self.root} is in use by "
+                + ("an executor" if exclusive else "kernelexec sessions --delete")
             ) from None
         self._lock_fd = fd
 
