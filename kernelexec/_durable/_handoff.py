@@ -221,11 +221,7 @@ class Handoff:
             self.book.answer(request, "busy", "its session was running a call")
         async with _hold_within(lease, remaining) as got:
             if not got:
-                self.book.answer(
-                    request,
-                    "refused",
-                    f"its session stayed busy past the deadline ({max(remaining, 0):.1f}s)",
-                )
+                self.book.answer(request, "busy", "its session was running a call throughout")
                 self.book.done(request)
                 return
             if lease.has_kernel:

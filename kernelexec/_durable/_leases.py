@@ -203,6 +203,23 @@ class LeaseBook:
             os.close(fd)
         return False
 
+    def held(self) -> dict[tuple[str, str], Holder]:
+        """Every agent an executor holds now (its lock is held), by agent id and environment;
+        records whose lock is free (a holder that died) are left out."""
+        found = {}
+        try:
+            entries = os.listdir(self.leases)
+        except FileNotFoundError:
+            return {}
+        for entry in sorted(entries):
+            key, dot, ext = entry.partition(".")
+            if ext != "json" or not dot:
+                continue
+            holder = self.holder(key)
+            if holder is not None and self.locked(key):
+                found[(holder.agent_id, holder.env)] = holder
+        return found
+
     # -- hand-over requests -------------------------------------------------------------------
 
     def ask(self, holder: Holder, deadline: float) -> str | None:
@@ -350,19 +367,22 @@ def lock_problem(mount: Mount) -> str | None:
     return None
 
 
-def check_filesystem(root: Path) -> None:
+def check_filesystem(root: Path, mountinfo: str | None = None) -> None:
     """Refuse a ``state_dir`` whose locks cannot guard an agent: on a filesystem that
     :func:`lock_problem` names, or where a second lock on one file is not refused (probed).
+    ``mountinfo``: the mount table to look in (default: this process's).
 
     Raises:
         ConfigError: naming the filesystem, its mount point and why.
     """
     real = os.path.realpath(root)
-    try:
-        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
-            mount = mount_of(real, f.read())
-    except OSError:
-        mount = None
+    if mountinfo is None:
+        try:
+            with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+                mountinfo = f.read()
+        except OSError:
+            mountinfo = ""
+    mount = mount_of(real, mountinfo)
     if mount is not None:
         problem = lock_problem(mount)
         if problem is not None:
@@ -382,12 +402,14 @@ def check_filesystem(root: Path) -> None:
 def _locks_enforced(root: Path) -> bool:
     """Whether a second open of a file is refused the lock the first holds (probed)."""
     probe = root / "leases" / "probe.lock"
+    if not probe.parent.is_dir():
+        probe = root / "LOCK"
     first = os.open(probe, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     second = os.open(probe, os.O_RDWR | os.O_NOFOLLOW | os.O_CLOEXEC)
     try:
         fcntl.flock(first, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
-        # Another executor probes at this moment: locks work.
+        # Another executor probes (or, on LOCK, uses the directory) now: locks work.
         os.close(first)
         os.close(second)
         return True
