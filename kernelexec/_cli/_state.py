@@ -49,16 +49,16 @@ def cmd_state_sessions(ns: argparse.Namespace) -> int:
         print(json.dumps(listed, indent=2))
         return EXIT_OK
     rows = [("AGENT", "ENV", "NAMES", "SIZE", "SAVED", "AGE", "HOLDER")]
-    for a in listed:
-        held = a["holder"]
+    for entry in listed:
+        held = entry["holder"]
         rows.append(
             (
-                a["agent_id"],
-                a["env"][:12] or "default",
-                str(len(a["names"])) if "names" in a else "-",
-                _size(a["bytes"]) if "bytes" in a else "-",
-                (a.get("saved_at") or "-")[:19],
-                _age(a["age_s"]) if "age_s" in a else "-",
+                entry["agent_id"],
+                entry["env"][:12] or "default",
+                str(len(entry["names"])) if "names" in entry else "-",
+                _size(entry["bytes"]) if "bytes" in entry else "-",
+                (entry.get("saved_at") or "-")[:19],
+                _age(entry["age_s"]) if "age_s" in entry else "-",
                 f"pid {held['pid']} on {held['host']}" if held else "none",
             )
         )
