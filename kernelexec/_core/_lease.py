@@ -320,10 +320,10 @@ class KernelLease:
             return
         self._names = ()
         self._tell(None)
+        if self.keeper is not None:
+            self.keeper.let_agent_go()  # saved, and no call reaches that kernel any more
         assert self._pool is not None
         await self._pool.discard(conn)
-        if self.keeper is not None:
-            self.keeper.let_agent_go()
         if self.on_evicted is not None:
             self.on_evicted()
 

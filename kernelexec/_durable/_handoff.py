@@ -3,10 +3,10 @@ before its kernel runs, asking the executor that holds it to hand it over, and h
 agents it holds when another executor asks.
 
 The request travels as a file in the holder's inbox (:mod:`._leases`), which the holder polls
-every 20 ms: a file, not a socket, because executors on other hosts share only the filesystem,
+every 10 ms: a file, not a socket, because executors on other hosts share only the filesystem,
 and polling because a change made by another NFS client wakes no ``inotify`` watch here. The
 holder waits for the session's current call (and those queued before the request), hibernates
-it, lets the lease go, and the asker, polling the lock every 10 ms, takes it and restores the
+it, lets the lease go, and the asker, polling the lock every 5 ms, takes it and restores the
 agent as any wake does. A holder that cannot hand over (its session stays busy past the asker's
 deadline, the checkpoint passes ``max_checkpoint_bytes``) answers why and keeps the agent; the
 asker's :class:`~kernelexec.AgentBusyError` carries that answer. A holder that died lets its
@@ -32,9 +32,9 @@ from kernelexec._observability._logtext import untrusted
 
 log = logging.getLogger("kernelexec")
 
-SERVE_POLL_S = 0.02
+SERVE_POLL_S = 0.01
 """How often a holder looks for requests."""
-ASK_POLL_S = 0.01
+ASK_POLL_S = 0.005
 """How often an asker tries the lock."""
 RENEW_S = 2.0
 """How often an executor renews its heartbeat."""
