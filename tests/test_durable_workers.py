@@ -307,3 +307,29 @@ def test_two_executors_at_once_hold_different_agents_without_waiting(
         "lost": [],
     }
     assert two.run("print(mine)", agent="two")["stdout"] == "2\n"
+
+
+def test_a_session_whose_agent_moved_away_asks_for_it_back(
+    tmp_path: Path, workers: list[Worker]
+) -> None:
+    state = tmp_path / "state"
+    with _ex(state, handoff_timeout=1) as ex:
+        mine = ex.session("a")
+        mine.run_code("x = 1").raise_for_error()
+        other = Worker(state)
+        workers.append(other)
+        assert other.run("x += 1")["restored"] == ["x"]  # taken from this executor
+        back = mine.run_code("x += 1\nprint(x)")  # asks the worker, which lets it go
+        assert back.stdout == "3\n" and back.restored is not None
+        other.send(
+            op="run",
+            agent="a",
+            stream=True,
+            code="import time\nprint('running', flush=True)\ntime.sleep(600)",
+        )
+        assert other.next() == {"stdout": "running\n"}  # the worker has it again, busy
+        with pytest.raises(kx.AgentBusyError, match=f"process {other.proc.pid} on host"):
+            mine.run_code("print(x)")
+        other.kill()
+        after = mine.run_code("print(x)")  # the holder is gone: taken over at once
+        assert after.stdout == "3\n"

@@ -138,7 +138,18 @@ class Handoff:
     # -- asking -------------------------------------------------------------------------------
 
     async def wait_for(self, claim: AgentClaim) -> None:
-        """Take ``claim``'s agent, asking its holder; see :meth:`AgentClaim.take`."""
+        """Take ``claim``'s agent, asking its holder; see :meth:`AgentClaim.take`.
+
+        Raises:
+            AgentBusyError: see :meth:`AgentClaim.take`.
+            StateError: the lease files could not be read or written.
+        """
+        try:
+            await self._wait_for(claim)
+        except OSError as exc:
+            raise StateError(f"the lease of agent {claim.agent_id!r}: {exc}") from exc
+
+    async def _wait_for(self, claim: AgentClaim) -> None:
         deadline = time.time() + self.timeout
         asked: tuple[Holder, str] | None = None
         last: Holder | None = None
@@ -190,13 +201,16 @@ class Handoff:
         renewed = time.monotonic()
         async with anyio.create_task_group() as group:
             while True:
-                for request in self.book.requests():
-                    if request.name not in self._serving:
-                        self._serving.add(request.name)
-                        group.start_soon(self._serve_one, request)
-                if time.monotonic() - renewed >= RENEW_S:
-                    renewed = time.monotonic()
-                    await asyncio.to_thread(self.book.renew)
+                try:
+                    for request in self.book.requests():
+                        if request.name not in self._serving:
+                            self._serving.add(request.name)
+                            group.start_soon(self._serve_one, request)
+                    if time.monotonic() - renewed >= RENEW_S:
+                        renewed = time.monotonic()
+                        await asyncio.to_thread(self.book.renew)
+                except OSError as exc:  # a full disk, a filesystem gone a while: go on
+                    log.warning("hand-over requests not read: %s", exc)
                 await asyncio.sleep(SERVE_POLL_S)
 
     async def _serve_one(self, request: Request) -> None:
