@@ -21,6 +21,7 @@ import pytest
 
 import kernelexec as kx
 from kernelexec._cli._main import main as cli_main
+from kernelexec._durable._handoff import STALE_S
 from kernelexec._durable._leases import Mount, check_filesystem, lock_problem, mount_of
 from kernelexec._sandbox import _cgroups
 from kernelexec._tempdirs import sweep_stale
@@ -333,3 +334,20 @@ def test_a_session_whose_agent_moved_away_asks_for_it_back(
         other.kill()
         after = mine.run_code("print(x)")  # the holder is gone: taken over at once
         assert after.stdout == "3\n"
+
+
+def test_a_hung_holder_is_named_as_not_renewing_its_lease(
+    tmp_path: Path, workers: list[Worker]
+) -> None:
+    state = tmp_path / "state"
+    holder = Worker(state)
+    workers.append(holder)
+    assert holder.run("x = 1")["error"] is None
+    os.kill(holder.proc.pid, signal.SIGSTOP)  # alive, its lock held, answering nothing
+    try:
+        with _ex(state, handoff_timeout=STALE_S + 2) as ex, pytest.raises(kx.AgentBusyError) as e:
+            ex.session("a")
+    finally:
+        os.kill(holder.proc.pid, signal.SIGCONT)
+    assert f"process {holder.proc.pid} on host" in str(e.value)
+    assert "has not renewed its lease for" in str(e.value)
