@@ -351,3 +351,25 @@ def test_a_hung_holder_is_named_as_not_renewing_its_lease(
         os.kill(holder.proc.pid, signal.SIGCONT)
     assert f"process {holder.proc.pid} on host" in str(e.value)
     assert "has not renewed its lease for" in str(e.value)
+
+
+def test_a_holder_killed_after_unsaved_calls_has_the_next_owner_told(
+    tmp_path: Path, workers: list[Worker]
+) -> None:
+    state = tmp_path / "state"
+    with _ex(state) as ex:
+        ex.run_code("x = 1", agent_id="a").raise_for_error()  # checkpointed at close
+    holder = Worker(state)  # checkpoint="on_evict": saves only when the kernel goes
+    workers.append(holder)
+    assert holder.run("x += 1\ny = 2")["restored"] == ["x"]
+    holder.kill()
+    with _ex(state) as ex:
+        got = ex.run_code("print(x)", agent_id="a")
+        assert got.stdout == "1\n"  # the last checkpoint: the calls since are lost...
+        assert got.lost_variables == ["y"]  # ...and said to be
+        assert got.restored is not None
+        assert any("its host ended after calls" in p for p in got.restored.problems)
+        again = ex.session("a")
+        again.hibernate()  # a checkpoint of its own: nothing to tell any more
+        later = again.run_code("print(x)")
+        assert later.restored is not None and later.restored.problems == []

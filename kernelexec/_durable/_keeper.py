@@ -114,6 +114,7 @@ class SessionState:
         self._marking = False  # no checkpoint yet: a marker on disk lists the names
         self._marked: tuple[str, ...] | None = None  # the names the marker on disk lists
         self._taken_after: int | None = None  # the checkpoint known when the agent was retaken
+        self._since: tuple[int, tuple[str, ...]] | None = None  # noted on disk after a checkpoint
 
     @property
     def staging(self) -> Path:
@@ -191,6 +192,7 @@ class SessionState:
         disk lists them: a host killed before it saves has its next host report them lost
         (rewritten only when the names differ)."""
         if not self._marking or not (self._manifest is None or self._manifest.unfinished):
+            await self._note_since(names)
             return
         if self._marked is not None and self._marked == names:
             return
@@ -209,6 +211,26 @@ class SessionState:
             return
         self._manifest, self._marked = marker, names
 
+    async def _note_since(self, names: tuple[str, ...]) -> None:
+        """With ``"on_evict"``, calls ran after the last checkpoint: note it on disk (once per
+        checkpoint, again when the names change), so that a host killed before its next save
+        has the agent's next owner told what those calls did is lost."""
+        found = self._manifest
+        if self.checkpoint != "on_evict" or found is None or found.unfinished:
+            return
+        if self._since == (found.gen, names):
+            return
+        try:
+            await asyncio.to_thread(
+                self.store.mark_since, self.agent_id, self.env, found.gen, list(names)
+            )
+        except OSError as exc:
+            log.warning(
+                "agent %r: could not note the calls since its checkpoint: %s", self.agent_id, exc
+            )
+            return
+        self._since = (found.gen, names)
+
     async def _restore(
         self, run: Runner, generation: int, hand_over: Callable[[], Awaitable[None]]
     ) -> Restored:
@@ -224,6 +246,14 @@ class SessionState:
             not_restored = dict(manifest.unsaved)
         else:
             not_restored = {n: f"not saved: {why}" for n, why in manifest.unsaved.items()}
+            since = await asyncio.to_thread(self.store.since, self.agent_id, self.env, manifest.gen)
+            if since is not None:
+                problems.append(
+                    f"its host ended after calls this checkpoint (saved {manifest.saved_at}) "
+                    f"does not hold (the last at {since[1]}): what they changed is lost"
+                )
+                for name in set(since[0]) - set(manifest.names) - set(not_restored):
+                    not_restored[name] = "lost: made after the last checkpoint, not saved"
         try:
             problem = await asyncio.to_thread(self._stage_for_restore, manifest)
             if problem:
