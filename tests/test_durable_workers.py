@@ -373,3 +373,18 @@ def test_a_holder_killed_after_unsaved_calls_has_the_next_owner_told(
         again.hibernate()  # a checkpoint of its own: nothing to tell any more
         later = again.run_code("print(x)")
         assert later.restored is not None and later.restored.problems == []
+
+
+def test_the_working_directory_moves_with_the_agent_and_back(
+    tmp_path: Path, workers: list[Worker]
+) -> None:
+    state = tmp_path / "state"
+    with _ex(state) as ex:
+        mine = ex.session("a")
+        mine.run_code("open('notes.txt', 'w').write('here')").raise_for_error()
+        other = Worker(state)
+        workers.append(other)
+        moved = other.run("print(open('notes.txt').read())\nopen('notes.txt', 'w').write('there')")
+        assert moved["stdout"] == "here\n"
+        back = mine.run_code("print(open('notes.txt').read())")  # not this directory's old copy
+        assert back.stdout == "there\n"

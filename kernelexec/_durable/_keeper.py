@@ -168,7 +168,7 @@ class SessionState:
             newer = self._manifest is not None and self._manifest.gen != self._taken_after
             self._taken_after = None
             if newer:  # another executor ran the agent: this directory's files are stale
-                await asyncio.to_thread(_empty, self.workdir)
+                await asyncio.to_thread(_files.empty, self.workdir)
         restored, lost = None, []
         if self._to_restore:
             self._to_restore = False
@@ -588,15 +588,6 @@ def _copy_out(source: Path, name: str, dir_fd: int) -> None:
                 offset += sent
     finally:
         os.close(fd)
-
-
-def _empty(workdir: Path) -> None:
-    """Remove what the working directory holds (nothing followed)."""
-    top = _trees.open_top(workdir)
-    try:
-        _trees.clear(top)
-    finally:
-        os.close(top)
 
 
 def _clear_staging(staging: Path) -> None:
