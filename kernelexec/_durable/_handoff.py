@@ -238,6 +238,8 @@ class Handoff:
                 self.book.answer(request, "busy", "its session was running a call throughout")
                 self.book.done(request)
                 return
+            if not self.book.pending(request):
+                return  # the asker gave up meanwhile (cancelled): keep the agent
             if lease.has_kernel:
                 try:
                     await lease.hibernate()

@@ -270,6 +270,11 @@ class LeaseBook:
         with contextlib.suppress(OSError):
             write_atomic(self.inbox / f"{request.name[:-4]}.ans", body, sync=False)
 
+    def pending(self, request: Request) -> bool:
+        """Whether ``request`` is still in the inbox (its asker withdraws it when it stops
+        waiting)."""
+        return (self.inbox / request.name).exists()
+
     def done(self, request: Request) -> None:
         """The request is served: take it out of the inbox."""
         with contextlib.suppress(OSError):
