@@ -30,6 +30,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -41,6 +42,12 @@ from kernelexec._exceptions import ConfigError
 _TOKEN = re.compile(r"^[0-9a-f]{24}$")
 _REQUEST = re.compile(r"^([0-9a-f]{40})\.([0-9a-f]{12})\.req$")
 _MAX_RECORD = 64 << 10
+
+# The leases this process holds, by (state_dir's device and inode, agent key): on NFS, flock()
+# is a POSIX lock on the server, and those never conflict within one process, so two executors
+# of one process are kept apart here (executors may run on different threads).
+_TAKEN: dict[tuple[int, int, str], str] = {}
+_TAKEN_LOCK = threading.Lock()
 
 # Filesystems whose flock() is local to one client, unsupported, or left to a FUSE daemon that
 # may not forward it: two hosts would both get the lock.
@@ -90,6 +97,7 @@ class LeaseBook:
         self.host = socket.gethostname()
         self.pid = os.getpid()
         self._fds: dict[str, int] = {}
+        self._dir = (0, 0)
 
     @property
     def leases(self) -> Path:
@@ -113,6 +121,8 @@ class LeaseBook:
         except OSError as exc:
             raise ConfigError(f"state_dir {self.root}: {exc.strerror or exc}") from None
         check_filesystem(self.root)
+        st = os.stat(self.root)
+        self._dir = (st.st_dev, st.st_ino)
         try:
             (self.root / "holders").mkdir(exist_ok=True, mode=0o700)
             self.inbox.mkdir(mode=0o700)
@@ -142,6 +152,21 @@ class LeaseBook:
         key = agent_key(agent_id, env)
         if key in self._fds:
             return True
+        with _TAKEN_LOCK:
+            if _TAKEN.setdefault((*self._dir, key), self.token) != self.token:
+                return False  # another executor of this process holds it
+        try:
+            if self._lock(key):
+                self._record(agent_id, env, key)
+                return True
+        except BaseException:
+            self.release(key)
+            raise
+        with _TAKEN_LOCK:
+            _TAKEN.pop((*self._dir, key), None)
+        return False
+
+    def _lock(self, key: str) -> bool:
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
         fd = os.open(self.leases / f"{key}.lock", flags, 0o600)
         try:
@@ -152,13 +177,11 @@ class LeaseBook:
                 return False
             raise
         self._fds[key] = fd
-        record = Holder(agent_id, env, self.token, self.host, self.pid, time.time())
-        try:
-            write_atomic(self.leases / f"{key}.json", json.dumps(asdict(record)).encode())
-        except BaseException:
-            self.release(key)
-            raise
         return True
+
+    def _record(self, agent_id: str, env: str, key: str) -> None:
+        record = Holder(agent_id, env, self.token, self.host, self.pid, time.time())
+        write_atomic(self.leases / f"{key}.json", json.dumps(asdict(record)).encode())
 
     def holds(self, agent_id: str, env: str) -> bool:
         """Whether this executor holds the agent's lease."""
@@ -168,11 +191,13 @@ class LeaseBook:
         """Let the lease of ``key`` (an agent key) go: the record first, then the lock (while
         the lock is held nobody else writes the record)."""
         fd = self._fds.pop(key, None)
-        if fd is None:
-            return
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(self.leases / f"{key}.json")
-        os.close(fd)
+        if fd is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.leases / f"{key}.json")
+            os.close(fd)
+        with _TAKEN_LOCK:
+            if _TAKEN.get((*self._dir, key)) == self.token:
+                del _TAKEN[(*self._dir, key)]
 
     def holder(self, key: str) -> Holder | None:
         """Who the record of ``key`` names (None: no record, or an unreadable one)."""
