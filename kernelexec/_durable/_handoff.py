@@ -202,7 +202,7 @@ class Handoff:
         async with anyio.create_task_group() as group:
             while True:
                 try:
-                    for request in self.book.requests():
+                    for request in self.book.requests() if self._held else ():
                         if request.name not in self._serving:
                             self._serving.add(request.name)
                             group.start_soon(self._serve_one, request)
