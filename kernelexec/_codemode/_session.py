@@ -84,6 +84,9 @@ class SessionCodeMode:
 
     # -- the watcher ---------------------------------------------------------------------------
 
+    async def attaching(self) -> None:
+        """Code mode waits for the kernel."""
+
     async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
         """A fresh kernel: the exposed modules go into it with its next run (the exposure
         knows which kernel generation has them)."""

@@ -100,6 +100,9 @@ class SessionRegistration:
         self._closed = False
         self._save()
 
+    async def attaching(self) -> None:
+        """No kernel yet: nothing to write."""
+
     async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
         """The session's kernel is now ``kernel``: its connection file is written."""
         self._kernel_changed(kernel.conn)

@@ -9,8 +9,8 @@ A session feature that must know about the kernel (its durable state, its place 
 executor's registry, its live-attach entry, its files link, code mode) is a
 :class:`KernelWatcher`: whoever assembles the session makes the lease, then
 ``lease.subscribe(watcher)`` for each feature, in order. The lease tells its watchers, in
-that order, when a kernel is attached, when it is leaving (and why), after every run, and when
-the session is gone; it names no feature.
+that order, before a kernel is taken where it has none, when a kernel is attached, when it is
+leaving (and why), after every run, and when the session is gone; it names no feature.
 """
 
 from __future__ import annotations
@@ -77,6 +77,10 @@ class KernelWatcher(Protocol):
     """A session feature that follows the lease's kernel (subscribed with
     :meth:`KernelLease.subscribe`). Every method runs while the session is held (no call of it
     runs meanwhile), except :meth:`gone`."""
+
+    async def attaching(self) -> None:
+        """The lease, which has no kernel, is about to take one; raise to refuse (the lease
+        stays without one: durable state does when another executor holds the agent)."""
 
     async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
         """A kernel is attached (set up: in the working directory, lent directories shown),
@@ -195,6 +199,8 @@ class KernelLease:
         (its number stays: recordings, ``setup_code`` and installed helpers carry over)."""
         if self._pool is None:
             self._pool = await self._get_pool()
+        if self._conn is None:
+            await self._attaching()
         old, self._conn = self._conn, conn
         await self._pool.exchange(old, conn)
         await self._attached("same" if same else "branched")
@@ -240,6 +246,7 @@ class KernelLease:
         names lost since the last run when state was lost (else None)."""
         missing: list[str] = []
         if self._conn is None:
+            await self._attaching()  # a watcher may refuse (another executor holds the agent)
             if self._pool is None:
                 self._pool = await self._get_pool()
             # If no kernel can be had now (a gateway that is down), the lost names wait for
@@ -370,6 +377,10 @@ class KernelLease:
         conn, self._conn = self._conn, None
         if conn is not None and self._pool is not None:
             await self._pool.discard(conn)
+
+    async def _attaching(self) -> None:
+        for watcher in self._watchers:
+            await watcher.attaching()
 
     async def _leaving(self, kernel: LeasedKernel, why: Leaving) -> None:
         """Tell the watchers, in order; on an eviction the names are lost unless one of them

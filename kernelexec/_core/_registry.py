@@ -142,6 +142,9 @@ class RegistryEntry:
         self._lease = lease
         self._parked = False
 
+    async def attaching(self) -> None:
+        """The registry follows kernels once attached."""
+
     async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
         """A parked session got a kernel again (its caller held it): hold it again."""
         if self._parked:

@@ -440,6 +440,8 @@ class AsyncSession:
         if self.durable is not None:
             await self._lease.evict()
         await self._lease.release()
+        if self.durable is not None:
+            self.durable.let_agent_go()
         if self._on_close is not None:
             await self._on_close(self)
 

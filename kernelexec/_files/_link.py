@@ -67,6 +67,9 @@ class KernelLink:
         self._installed: tuple[int, int] | None = None  # (connection, generation)
         self._gone = False
 
+    async def attaching(self) -> None:
+        """The helpers wait for the kernel."""
+
     async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
         """A fresh kernel: it has no helpers yet (even a fork of one that had them)."""
         self._installed = None
