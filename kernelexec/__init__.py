@@ -23,6 +23,7 @@ if _typing.TYPE_CHECKING:  # the public names, one a line (kernelexec._public.ex
     from kernelexec._envs._builder import EnvProgress as EnvProgress
     from kernelexec._envs._envs import LocalEnv as LocalEnv
     from kernelexec._envs._envs import VenvEnv as VenvEnv
+    from kernelexec._exceptions import AgentBusyError as AgentBusyError
     from kernelexec._exceptions import BackgroundTaskError as BackgroundTaskError
     from kernelexec._exceptions import BranchError as BranchError
     from kernelexec._exceptions import BranchingNotSupportedError as BranchingNotSupportedError

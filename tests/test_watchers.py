@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import kernelexec as kx
-from kernelexec._core._lease import LeasedKernel, Leaving
+from kernelexec._core._lease import Arrival, LeasedKernel, Leaving
 from kernelexec._models import Restored
 
 pytestmark = pytest.mark.anyio
@@ -27,8 +27,11 @@ class Journal:
     def __init__(self) -> None:
         self.events: list[tuple[Any, ...]] = []
 
-    async def attached(self, kernel: LeasedKernel, *, branched: bool) -> Restored | None:
-        self.events.append(("attached", kernel.generation, branched, kernel.conn.kernel_pid()))
+    async def attaching(self) -> None:
+        self.events.append(("attaching",))
+
+    async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
+        self.events.append(("attached", kernel.generation, how, kernel.conn.kernel_pid()))
         return None
 
     async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
@@ -58,15 +61,16 @@ async def test_a_watcher_follows_the_session_kernel_by_kernel() -> None:
         (await session.run_code("y = 2")).raise_for_error()
         await session.aclose()
     assert journal.events == [
-        ("attached", 1, False, first_pid),
+        ("attaching",),
+        ("attached", 1, "fresh", first_pid),
         ("after_run", 1, True),  # the kernel side's report came back
         # the rejected call never reached a kernel: nothing
         ("leaving", 1, "lost", ("x",)),
-        ("attached", 2, False, journal.events[3][3]),
+        ("attached", 2, "fresh", journal.events[4][3]),  # a replacement: no "attaching"
         ("after_run", 2, True),
         ("gone",),  # its last kernel is shut down after, unannounced
     ]
-    assert journal.events[3][3] != first_pid
+    assert journal.events[4][3] != first_pid
 
 
 async def test_an_evicted_kernel_is_told_leaving_before_its_names_are_reported_lost() -> None:
@@ -78,12 +82,14 @@ async def test_an_evicted_kernel_is_told_leaving_before_its_names_are_reported_l
         (await ex.run_code("1", agent_id="b")).raise_for_error()  # takes a's kernel
         again = await a.run_code("print('kept' in dir())")
     assert again.stdout == "False\n" and again.lost_variables == ["kept"]
-    assert journal.events[:3] == [
-        ("attached", 1, False, journal.events[0][3]),
+    assert journal.events[:4] == [
+        ("attaching",),
+        ("attached", 1, "fresh", journal.events[1][3]),
         ("after_run", 1, True),
         ("leaving", 1, "evict", ("kept",)),
     ]
-    assert journal.events[3][:3] == ("attached", 2, False)
+    assert journal.events[4] == ("attaching",)
+    assert journal.events[5][:3] == ("attached", 2, "fresh")
 
 
 def _imported(module: Path) -> set[str]:

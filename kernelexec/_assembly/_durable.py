@@ -1,6 +1,7 @@
-"""``DurableSessions``: an executor's durable state (with a ``state_dir``): the store, each
-session's keeper (with the replayer that rebuilds names from its recording), hibernating every
-session when the executor closes, and deleting an agent's saved state."""
+"""``DurableSessions``: an executor's durable state (with a ``state_dir``): the store, the
+hand-off of agents between executors sharing it, each session's keeper (with the replayer that
+rebuilds names from its recording), hibernating every session when the executor closes, and
+deleting an agent's saved state."""
 
 from __future__ import annotations
 
@@ -9,8 +10,11 @@ import logging
 from pathlib import Path
 
 from kernelexec._config import ExecutorConfig
+from kernelexec._core._lease import KernelLease
 from kernelexec._core._session import AsyncSession
+from kernelexec._durable._handoff import AgentClaim, Handoff
 from kernelexec._durable._keeper import Replayer, Runner, SessionState
+from kernelexec._durable._leases import LeaseBook
 from kernelexec._durable._rebuild import replay
 from kernelexec._durable._store import StateStore
 from kernelexec._exceptions import ConfigError
@@ -41,26 +45,40 @@ class DurableSessions:
             )
         self._config = config
         self.store = StateStore(config.state_dir)
+        self.handoff = Handoff(LeaseBook(config.state_dir), config.handoff_timeout)
 
     def open(self) -> None:
-        """Open the store (the executor starts)."""
+        """Open the store and the hand-off (the executor starts; the caller then runs
+        ``handoff.serve`` in the background)."""
         self.store.open()
+        self.handoff.open()
 
     def close(self) -> None:
-        """Close the store (the executor's kernels are gone)."""
+        """Close the hand-off and the store (the executor's kernels are gone)."""
+        self.handoff.close()
         self.store.close()
+
+    async def claim(self, agent_id: str, key: str) -> AgentClaim:
+        """Hold ``agent_id`` (under ``key``) for a new session of it, asking another
+        executor that holds it to hand it over."""
+        claim = self.handoff.claim(agent_id, key)
+        await claim.take()
+        return claim
 
     def keeper(
         self,
         agent_id: str,
         key: str,
         workdir: Path,
+        lease: KernelLease,
         *,
         same_user: bool,
         recorder: SessionRecorder | None,
+        claim: AgentClaim,
     ) -> SessionState:
         """The keeper of a new session's state (``key``: empty for the default environment,
-        else its fingerprint); with a recording, names are rebuilt from it when a checkpoint
+        else its fingerprint), holding the agent through ``claim`` and handing it over
+        through ``lease``; with a recording, names are rebuilt from it when a checkpoint
         cannot bring them back."""
         cfg = self._config
         keeper = SessionState(
@@ -72,7 +90,9 @@ class DurableSessions:
             limit=cfg.max_checkpoint_bytes,
             same_user=same_user,
             secret_names=frozenset(cfg.env_vars),
+            claim=claim,
         )
+        keeper.serve_handovers(lease)
         if recorder is not None:
             keeper.replayer = _replayer(recorder)
         return keeper

@@ -124,6 +124,8 @@ class AsyncKernelExecutor:
             return
         self._sessions.open()
         await self._core.start()
+        if self._sessions.durable is not None:
+            self._core.spawn("handoff", self._sessions.durable.handoff.serve)
         telemetry().watch(self)
 
     async def warm_up(self, env: Env | None = None) -> None:

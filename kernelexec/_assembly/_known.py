@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from kernelexec._core._budget import KernelBudget
-from kernelexec._core._lease import KernelLease, LeasedKernel, Leaving
+from kernelexec._core._lease import Arrival, KernelLease, LeasedKernel, Leaving
 from kernelexec._core._session import AsyncSession
 from kernelexec._core._state import Lifecycle
 from kernelexec._models import Restored
@@ -142,7 +142,10 @@ class RegistryEntry:
         self._lease = lease
         self._parked = False
 
-    async def attached(self, kernel: LeasedKernel, *, branched: bool) -> Restored | None:
+    async def attaching(self) -> None:
+        """The registry follows kernels once attached."""
+
+    async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
         """A parked session got a kernel again (its caller held it): hold it again."""
         if self._parked:
             self._parked = False

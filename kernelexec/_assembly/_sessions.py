@@ -27,6 +27,7 @@ from kernelexec._core._features import SessionFeatures
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._pipeline import RunLimits
 from kernelexec._core._session import AsyncSession
+from kernelexec._durable._handoff import AgentClaim
 from kernelexec._exceptions import ConfigError
 from kernelexec._files._commands import AsyncSessionCommands
 from kernelexec._files._link import KernelLink
@@ -110,15 +111,27 @@ class SessionAssembly:
                 raise ConfigError(
                     f"session {agent_id!r} exists with another setup_code; close it first"
                 )
+            if existing.durable is not None:
+                await existing.durable.hold_agent()
             return existing
         core.check_env(env)
+        claim = None
+        if self.durable is not None:
+            claim = await self.durable.claim(agent_id, "" if env == core.env else fingerprint)
+            if (existing := self._registry.get(key)) is not None:
+                return existing  # made meanwhile by a concurrent call
         self._env_of[fingerprint] = env
-        session = self._make(agent_id, env, fingerprint, setup)
+        session = self._make(agent_id, env, fingerprint, setup, claim)
         self._registry.add(session)
         return session
 
     def _make(
-        self, agent_id: str, env: Env, fingerprint: str, setup: tuple[str, ...]
+        self,
+        agent_id: str,
+        env: Env,
+        fingerprint: str,
+        setup: tuple[str, ...],
+        claim: AgentClaim | None,
     ) -> AsyncSession:
         core = self._core
         cfg = core.config
@@ -144,13 +157,15 @@ class SessionAssembly:
             lease.subscribe(SessionRegistration(agent_id, fingerprint, core.backend.name))
         durable = None
         if self.durable is not None:
-            assert isinstance(workdir, Path)
+            assert isinstance(workdir, Path) and claim is not None
             durable = self.durable.keeper(
                 agent_id,
                 "" if default else fingerprint,
                 workdir,
+                lease,
                 same_user=isolation.level == "none",
                 recorder=recorder,
+                claim=claim,
             )
             lease.subscribe(durable)
         link = KernelLink(lease, str(workdir), timeout=cfg.default_timeout)

@@ -30,7 +30,7 @@ from kernelexec._protocol import _host as protocol
 from kernelexec._protocol._host import ExecuteRequest
 
 if TYPE_CHECKING:
-    from kernelexec._core._lease import LeasedKernel, Leaving
+    from kernelexec._core._lease import Arrival, LeasedKernel, Leaving
 
 log = logging.getLogger("kernelexec")
 
@@ -84,7 +84,10 @@ class SessionCodeMode:
 
     # -- the watcher ---------------------------------------------------------------------------
 
-    async def attached(self, kernel: LeasedKernel, *, branched: bool) -> Restored | None:
+    async def attaching(self) -> None:
+        """Code mode waits for the kernel."""
+
+    async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
         """A fresh kernel: the exposed modules go into it with its next run (the exposure
         knows which kernel generation has them)."""
         return None

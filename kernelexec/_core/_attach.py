@@ -28,7 +28,7 @@ from kernelexec._tempdirs import process_alive, process_start_time
 from kernelexec.backends._base import KernelConnection
 
 if TYPE_CHECKING:
-    from kernelexec._core._lease import LeasedKernel, Leaving
+    from kernelexec._core._lease import Arrival, LeasedKernel, Leaving
 
 ENV_VAR = "KERNELEXEC_RUNTIME_DIR"
 
@@ -100,7 +100,10 @@ class SessionRegistration:
         self._closed = False
         self._save()
 
-    async def attached(self, kernel: LeasedKernel, *, branched: bool) -> Restored | None:
+    async def attaching(self) -> None:
+        """No kernel yet: nothing to write."""
+
+    async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
         """The session's kernel is now ``kernel``: its connection file is written."""
         self._kernel_changed(kernel.conn)
         return None

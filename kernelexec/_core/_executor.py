@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePath, PurePosixPath
 from typing import Any, Protocol
 
@@ -198,6 +199,11 @@ class ExecutorCore:
         self.state.open()
         if isinstance(cfg.env, LocalEnv):
             self._new_pool(self.fingerprint_of(cfg.env), self.launch(cfg.env, None), cfg.prewarm)
+
+    def spawn(self, name: str, job: Callable[[], Awaitable[None]]) -> None:
+        """Run ``job()`` under the executor's background tasks (started by :meth:`start`)
+        until it returns or the executor closes; a failure surfaces at close."""
+        self._supervisor.spawn(name, job)
 
     def _new_pool(self, fingerprint: str, launch: KernelLaunch, prewarm: int) -> KernelPool:
         pool = KernelPool(

@@ -9,8 +9,8 @@ A session feature that must know about the kernel (its durable state, its place 
 executor's registry, its live-attach entry, its files link, code mode) is a
 :class:`KernelWatcher`: whoever assembles the session makes the lease, then
 ``lease.subscribe(watcher)`` for each feature, in order. The lease tells its watchers, in
-that order, when a kernel is attached, when it is leaving (and why), after every run, and when
-the session is gone; it names no feature.
+that order, before a kernel is taken where it has none, when a kernel is attached, when it is
+leaving (and why), after every run, and when the session is gone; it names no feature.
 """
 
 from __future__ import annotations
@@ -46,6 +46,13 @@ saved checkpoint of it is stale). The kernel a closed session still has is shut 
 ``gone``, unannounced."""
 
 
+Arrival = Literal["fresh", "branched", "same"]
+"""How a kernel came to its lease: ``"fresh"``, a new kernel (a kept state is restored into
+it); ``"branched"``, a fork or a restored snapshot, holding a state of its own (a kept one is
+stale); ``"same"``, a fork put in place of the kernel it continues, between two runs: the same
+number and state, only its connection is new."""
+
+
 @dataclass(frozen=True, slots=True)
 class LeasedKernel:
     """The lease's kernel as its watchers see it at one event.
@@ -71,10 +78,14 @@ class KernelWatcher(Protocol):
     :meth:`KernelLease.subscribe`). Every method runs while the session is held (no call of it
     runs meanwhile), except :meth:`gone`."""
 
-    async def attached(self, kernel: LeasedKernel, *, branched: bool) -> Restored | None:
-        """A fresh kernel is attached (set up: in the working directory, lent directories
-        shown). ``branched``: a fork or a restored snapshot, holding state already. Return
-        what was restored into it (durable state), else None."""
+    async def attaching(self) -> None:
+        """The lease, which has no kernel, is about to take one; raise to refuse (the lease
+        stays without one: durable state does when another executor holds the agent)."""
+
+    async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
+        """A kernel is attached (set up: in the working directory, lent directories shown),
+        ``how`` (see :data:`Arrival`). Return what was restored into it (durable state), else
+        None."""
 
     async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
         """``kernel`` is about to go (see :data:`Leaving`); it still runs. Return True only
@@ -177,17 +188,22 @@ class KernelLease:
         lease's kernel, holding ``names``."""
         self._pool = pool
         self._conn = conn
-        await self._attached(branched=True)
+        await self._attached("branched")
         self._names = names
 
-    async def swap(self, conn: KernelConnection, names: tuple[str, ...]) -> None:
-        """Put ``conn`` (a restored snapshot, holding ``names``) in place of the kernel (the
-        watchers are told of the new one only: ``branched``, its state is not the old one's)."""
+    async def swap(
+        self, conn: KernelConnection, names: tuple[str, ...], *, same: bool = False
+    ) -> None:
+        """Put ``conn`` (a restored snapshot, holding ``names``) in place of the kernel;
+        ``same``: ``conn`` is a fork of the kernel made between two runs, which it continues
+        (its number stays: recordings, ``setup_code`` and installed helpers carry over)."""
         if self._pool is None:
             self._pool = await self._get_pool()
+        if self._conn is None:
+            await self._attaching()
         old, self._conn = self._conn, conn
         await self._pool.exchange(old, conn)
-        await self._attached(branched=True)
+        await self._attached("same" if same else "branched")
         self._names = names
 
     async def lend(self, path: str | os.PathLike[str], *, mode: LoanMode) -> str:
@@ -230,6 +246,7 @@ class KernelLease:
         names lost since the last run when state was lost (else None)."""
         missing: list[str] = []
         if self._conn is None:
+            await self._attaching()  # a watcher may refuse (another executor holds the agent)
             if self._pool is None:
                 self._pool = await self._get_pool()
             # If no kernel can be had now (a gateway that is down), the lost names wait for
@@ -361,6 +378,10 @@ class KernelLease:
         if conn is not None and self._pool is not None:
             await self._pool.discard(conn)
 
+    async def _attaching(self) -> None:
+        for watcher in self._watchers:
+            await watcher.attaching()
+
     async def _leaving(self, kernel: LeasedKernel, why: Leaving) -> None:
         """Tell the watchers, in order; on an eviction the names are lost unless one of them
         kept the state (accounted before the next watcher hears of it: the registry's entry
@@ -372,10 +393,9 @@ class KernelLease:
             if await watcher.leaving(kernel, why) and why == "evict":
                 self._lost = before
 
-    async def _attached(self, branched: bool = False) -> list[str]:
-        """Set a fresh kernel up and tell the watchers; return the names a restore did not
-        bring back. A ``branched`` kernel (a fork, a restored snapshot) holds its state
-        already: nothing is restored into it."""
+    async def _attached(self, how: Arrival = "fresh") -> list[str]:
+        """Set a kernel up and tell the watchers (see :data:`Arrival`); return the names a
+        restore did not bring back."""
         assert self._conn is not None
         await self._conn.enter_workdir(self._workdir)
         for path, loan in list(self._lent.items()):
@@ -385,14 +405,15 @@ class KernelLease:
                 # The fresh kernel works without it; the next lend() of it says why it fails.
                 log.warning("%r: %s; not lent again", self.agent_id, untrusted(exc))
                 del self._lent[path]
-        self.generation += 1
-        self._names = ()
-        self._fresh = True
+        if how != "same":
+            self.generation += 1
+            self._names = ()
+            self._fresh = True
         missing: list[str] = []
         for watcher in self._watchers:
             kernel = self.kernel
             assert kernel is not None
-            restored = await watcher.attached(kernel, branched=branched)
+            restored = await watcher.attached(kernel, how)
             if restored is not None:
                 self._restored = restored
                 self._names = tuple(restored.names)

@@ -19,15 +19,16 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from kernelexec._aio import finish_shielded
 from kernelexec._core import _results as results
 from kernelexec._core._atomic import AtomicRun
-from kernelexec._core._lease import KernelLease, LeasedKernel
+from kernelexec._core._features import HostCallSource, RunObserver
+from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import CallbackFailed, Callbacks, Collected
 from kernelexec._core._results import Ran
-from kernelexec._core._run import HostCallHandler, RunOutcome, run_request
+from kernelexec._core._run import RunOutcome, run_request
 from kernelexec._core._state import Lifecycle
 from kernelexec._exceptions import (
     EnvSetupError,
@@ -46,7 +47,7 @@ from kernelexec._models import (
 )
 from kernelexec._observability._logtext import untrusted
 from kernelexec._protocol import _host as protocol
-from kernelexec._protocol._host import CodeRun, ExecuteRequest, ToolCall
+from kernelexec._protocol._host import CodeRun, ToolCall
 
 if TYPE_CHECKING:
     from kernelexec._codemode._session import OneCall
@@ -57,46 +58,6 @@ Subject = CodeRun | ToolCall
 """What a run is: code, or a tool call (its tool, arguments and agent state)."""
 
 R = TypeVar("R", bound=Execution)
-
-
-class RunObserver(Protocol):
-    """Told about every finished run of a session, in order, before its caller gets it."""
-
-    async def run_finished(self, record: RunRecord) -> str | None:
-        """Take note of ``record``; return None, or what went wrong keeping it (an I/O
-        failure must not raise: it is reported on the run's result as ``recording_error``)."""
-
-    def continued(self, generation: int) -> None:
-        """The session's kernel ``generation`` continues the state of the runs before (a
-        rollback put it back), not a fresh kernel's."""
-
-    def close(self) -> None:
-        """The session closed."""
-
-
-class HostCallSource(Protocol):
-    """Takes part in every run with the calls its code makes to host functions (code mode's
-    ``SessionCodeMode``)."""
-
-    async def start_run(
-        self,
-        kernel: LeasedKernel,
-        request: ExecuteRequest,
-        once: OneCall | None,
-        *,
-        record: bool,
-        outputs: list[dict[str, Any]],
-    ) -> tuple[ExecuteRequest, HostCallHandler | None]:
-        """The run's request with the source's part, and who takes the run's host calls."""
-
-    async def end_run(self, calls: Any) -> list[HostCall]:
-        """The run ended: the host calls it made (``calls``: what :meth:`start_run` gave)."""
-
-    def interrupted(self) -> None:
-        """The run is being interrupted: cancel its host calls in flight."""
-
-    def for_caller(self, outputs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-        """A recorded run's outputs without those kept only for the notebook."""
 
 
 @dataclass(frozen=True, slots=True)

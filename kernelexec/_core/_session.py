@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path, PurePath
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any
 
 from kernelexec._config import valid_timeout
 from kernelexec._core import _results as results
@@ -33,10 +33,7 @@ from kernelexec._core._run import run_internal
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._traced import traced_call
 from kernelexec._envs._envs import LocalEnv, VenvEnv
-from kernelexec._exceptions import (
-    BranchingNotSupportedError,
-    ConfigError,
-)
+from kernelexec._exceptions import BranchingNotSupportedError, ConfigError
 from kernelexec._models import (
     Execution,
     Hibernation,
@@ -60,8 +57,6 @@ if TYPE_CHECKING:
     from kernelexec._recording import SessionRecorder
 
 log = logging.getLogger("kernelexec.kernel")
-
-R = TypeVar("R", bound=Execution)
 
 
 class AsyncSession:
@@ -236,9 +231,8 @@ class AsyncSession:
             atomic: All or nothing: the session is snapshotted first, and if the run ends in
                 an error (an exception, a timeout) its variables and working-directory
                 files are put back as they were, with ``rolled_back=True`` on the result
-                (also when the caller cancels it or an output callback raises). A
-                run that kills its kernel takes the snapshot with it: its error then says it
-                was not rolled back. Effects outside the session (network, host calls) are
+                (also when the caller cancels it or an output callback raises, or the run
+                kills its kernel). Effects outside the session (network, host calls) are
                 not undone.
 
         Raises:
@@ -446,6 +440,8 @@ class AsyncSession:
         if self.durable is not None:
             await self._lease.evict()
         await self._lease.release()
+        if self.durable is not None:
+            self.durable.let_agent_go()
         if self._on_close is not None:
             await self._on_close(self)
 

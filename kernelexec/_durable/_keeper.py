@@ -20,12 +20,14 @@ import os
 import stat
 import time
 from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kernelexec import _trees
 from kernelexec._durable import _files
 from kernelexec._durable import _kernel_state as ks
+from kernelexec._durable._handoff import AgentClaim
 from kernelexec._durable._store import Manifest, StateStore, now_iso
 from kernelexec._exceptions import CheckpointTooLargeError, StateError
 from kernelexec._models import Hibernation, Restored
@@ -34,7 +36,7 @@ from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._host import ExecuteRequest
 
 if TYPE_CHECKING:
-    from kernelexec._core._lease import LeasedKernel, Leaving
+    from kernelexec._core._lease import Arrival, LeasedKernel, Leaving
 
 log = logging.getLogger("kernelexec")
 
@@ -63,14 +65,48 @@ _INSTALL = (
 
 
 class Hibernating(Protocol):
-    """What :meth:`SessionState.hibernate` needs of the session's lease (held by the caller)."""
+    """What :meth:`SessionState.hibernate` and a hand-over need of the session's lease."""
 
     @property
     def kernel(self) -> LeasedKernel | None:
         """The attached kernel, if any."""
 
+    @property
+    def has_kernel(self) -> bool:
+        """Whether a kernel is attached now."""
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call runs or waits to run."""
+
+    def hold(self) -> AbstractAsyncContextManager[None]:
+        """Exclusive use of the session, after the calls made before."""
+
     async def give_back(self, why: Literal["evict", "saved"]) -> None:
-        """Give the kernel back now."""
+        """Give the kernel back now (the caller holds the lease)."""
+
+
+class _Handing:
+    """A session's lease as a hand-over to another executor sees it (``_handoff.Holdable``):
+    hibernated through the session's state."""
+
+    def __init__(self, lease: Hibernating, state: SessionState) -> None:
+        self._lease = lease
+        self._state = state
+
+    def hold(self) -> AbstractAsyncContextManager[None]:
+        return self._lease.hold()
+
+    @property
+    def has_kernel(self) -> bool:
+        return self._lease.has_kernel
+
+    @property
+    def busy(self) -> bool:
+        return self._lease.busy
+
+    async def hibernate(self) -> Hibernation:
+        return await self._state.hibernate(self._lease)
 
 
 def _source() -> str:
@@ -91,6 +127,8 @@ class SessionState:
             the records where the kernel reads them instead of copying them.
         secret_names: The executor's ``env_vars`` names: their values are never written to
             the store, and on a restore the fresh kernel's values win over any saved.
+        claim: The agent's lease in a ``state_dir`` other executors may share
+            (:mod:`._handoff`): held before a kernel of the session runs.
     """
 
     def __init__(
@@ -104,8 +142,10 @@ class SessionState:
         limit: int,
         same_user: bool = False,
         secret_names: frozenset[str] = frozenset(),
+        claim: AgentClaim | None = None,
     ) -> None:
         self.store = store
+        self.claim = claim
         self.secret_names = secret_names
         self.agent_id = agent_id
         self.env = env
@@ -123,24 +163,62 @@ class SessionState:
         self._files: tuple[_files.Signature, dict[str, Any] | None] | None = None
         self._marking = False  # no checkpoint yet: a marker on disk lists the names
         self._marked: tuple[str, ...] | None = None  # the names the marker on disk lists
+        self._taken_after: int | None = None  # the checkpoint known when the agent was retaken
+        self._since: tuple[int, tuple[str, ...]] | None = None  # noted on disk after a checkpoint
 
     @property
     def staging(self) -> Path:
         """Where the kernel stages record files (inside the session's working directory)."""
         return self.workdir / ks.STAGING
 
+    # -- the agent's lease --------------------------------------------------------------------
+
+    async def hold_agent(self) -> None:
+        """Hold the agent in the store before a kernel of the session runs: taken again after
+        it went (perhaps to another executor), what the disk holds is read again.
+
+        Raises:
+            AgentBusyError: another executor holds it and did not hand it over.
+        """
+        if self.claim is None or not await self.claim.take():
+            return
+        self._taken_after = self._manifest.gen if self._manifest is not None else -1
+        self._loaded, self._files = False, None
+
+    def serve_handovers(self, lease: Hibernating) -> None:
+        """Let another executor that asks for the agent have it: ``lease`` (the session's) is
+        hibernated for it."""
+        if self.claim is not None:
+            self.claim.lease = _Handing(lease, self)
+
+    def let_agent_go(self) -> None:
+        """The session's kernel is gone: another executor may take the agent."""
+        if self.claim is not None:
+            self.claim.release()
+
     # -- a fresh kernel -----------------------------------------------------------------------
 
-    async def attached(self, kernel: LeasedKernel, *, branched: bool) -> Restored | None:
-        """A fresh kernel is attached: restore the saved state into it when there is one;
+    async def attaching(self) -> None:
+        """The session is about to take a kernel: hold the agent first (:meth:`hold_agent`).
+
+        Raises:
+            AgentBusyError: another executor holds it and did not hand it over.
+        """
+        await self.hold_agent()
+
+    async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
+        """A kernel is attached: restore the saved state into a fresh one when there is one;
         return what came back (its ``not_restored`` names are reported lost). The working
         directory (restored files included) is handed to the kernel's user first. A
-        ``branched`` kernel (a fork, a restored snapshot) has its state: the saved one is
-        stale and deleted, and the kernel forgets what it remembers of its origin's saves."""
+        ``"branched"`` kernel (a fork, a restored snapshot) has its state: the saved one is
+        stale and deleted, and the kernel forgets what it remembers of its origin's saves. The
+        ``"same"`` kernel on a new connection changes nothing."""
+        if how == "same":
+            return None
         run, generation = kernel.ask, kernel.generation
         self._installed_in = -1
         self._hook_broken = False
-        if branched:
+        if how == "branched":
             await asyncio.to_thread(self._invalidate)
         if not self._loaded:
             self._loaded = True
@@ -148,6 +226,11 @@ class SessionState:
                 self.store.load, self.agent_id, self.env
             )
             self._to_restore = self._manifest is not None or bool(self._problems)
+        if self._taken_after is not None:
+            newer = self._manifest is not None and self._manifest.gen != self._taken_after
+            self._taken_after = None
+            if newer:  # another executor ran the agent: this directory's files are stale
+                await asyncio.to_thread(_files.empty, self.workdir)
         restored = None
         if self._to_restore:
             self._to_restore = False
@@ -169,23 +252,26 @@ class SessionState:
 
     async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
         """The kernel is about to go: saved when evicted (True: the state is kept; a failed
-        save is logged and the state lost), stale when it was lost."""
+        save is logged and the state lost), stale when it was lost; given back (evicted,
+        hibernated), the agent is let go for other executors."""
+        kept = False
         if why == "evict":
             try:
                 await self.save(kernel.ask, kernel.generation)
+                self.kernel_gone()
+                kept = True
             except StateError as exc:
                 log.warning(
                     "agent %r: hibernating failed, state lost: %s", self.agent_id, untrusted(exc)
                 )
                 await self.invalidate()
-                return False
+        elif why == "saved":
             self.kernel_gone()
-            return True
-        if why == "saved":
-            self.kernel_gone()
-        elif why == "lost":
-            await self.invalidate()
-        return False
+        if why == "lost":
+            await self.invalidate()  # the agent stays held: a fresh kernel follows
+        else:
+            self.let_agent_go()  # saved (or lost), and no call reaches that kernel any more
+        return kept
 
     async def after_run(
         self, kernel: LeasedKernel | None, extras: Mapping[str, Any] | None
@@ -225,6 +311,7 @@ class SessionState:
         disk lists them: a host killed before it saves has its next host report them lost
         (rewritten only when the names differ)."""
         if not self._marking or not (self._manifest is None or self._manifest.unfinished):
+            await self._note_since(names)
             return
         if self._marked is not None and self._marked == names:
             return
@@ -243,6 +330,26 @@ class SessionState:
             return
         self._manifest, self._marked = marker, names
 
+    async def _note_since(self, names: tuple[str, ...]) -> None:
+        """With ``"on_evict"``, calls ran after the last checkpoint: note it on disk (once per
+        checkpoint, again when the names change), so that a host killed before its next save
+        has the agent's next owner told what those calls did is lost."""
+        found = self._manifest
+        if self.checkpoint != "on_evict" or found is None or found.unfinished:
+            return
+        if self._since == (found.gen, names):
+            return
+        try:
+            await asyncio.to_thread(
+                self.store.mark_since, self.agent_id, self.env, found.gen, list(names)
+            )
+        except OSError as exc:
+            log.warning(
+                "agent %r: could not note the calls since its checkpoint: %s", self.agent_id, exc
+            )
+            return
+        self._since = (found.gen, names)
+
     async def _restore(
         self, run: Runner, generation: int, hand_over: Callable[[], Awaitable[None]]
     ) -> Restored:
@@ -258,6 +365,14 @@ class SessionState:
             not_restored = dict(manifest.unsaved)
         else:
             not_restored = {n: f"not saved: {why}" for n, why in manifest.unsaved.items()}
+            since = await asyncio.to_thread(self.store.since, self.agent_id, self.env, manifest.gen)
+            if since is not None:
+                problems.append(
+                    f"its host ended after calls this checkpoint (saved {manifest.saved_at}) "
+                    f"does not hold (the last at {since[1]}): what they changed is lost"
+                )
+                for name in set(since[0]) - set(manifest.names) - set(not_restored):
+                    not_restored[name] = "lost: made after the last checkpoint, not saved"
         try:
             problem = await asyncio.to_thread(self._stage_for_restore, manifest)
             if problem:

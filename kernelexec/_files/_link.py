@@ -30,7 +30,7 @@ from kernelexec._protocol._host import with_configure
 from kernelexec.backends._base import KernelConnection, KernelMessage
 
 if TYPE_CHECKING:
-    from kernelexec._core._lease import LeasedKernel, Leaving
+    from kernelexec._core._lease import Arrival, LeasedKernel, Leaving
 
 
 class LinkLease(Protocol):
@@ -67,7 +67,10 @@ class KernelLink:
         self._installed: tuple[int, int] | None = None  # (connection, generation)
         self._gone = False
 
-    async def attached(self, kernel: LeasedKernel, *, branched: bool) -> Restored | None:
+    async def attaching(self) -> None:
+        """The helpers wait for the kernel."""
+
+    async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
         """A fresh kernel: it has no helpers yet (even a fork of one that had them)."""
         self._installed = None
         return None
