@@ -20,7 +20,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kernelexec import _trees
+from kernelexec import _workdirs
 from kernelexec._aio import finish_shielded
 from kernelexec._branching._family import AsyncSnapshot, Brancher
 from kernelexec._core._budget import KernelBudget
@@ -36,7 +36,6 @@ from kernelexec._exceptions import (
 from kernelexec._models import StateChanges
 from kernelexec._protocol import _kernel_side as kernel_side
 from kernelexec._protocol._host import ExecuteRequest
-from kernelexec._sandbox._users import LAYERS
 from kernelexec._tempdirs import make_owned_dir
 from kernelexec.backends._base import KernelConnection
 
@@ -150,7 +149,7 @@ class SessionBranches:
                 self._budget.release()
             raise
         if snap.files is not None and isinstance(session.workdir, Path):
-            await asyncio.to_thread(replace_workdir, Path(snap.files), session.workdir)
+            await asyncio.to_thread(_workdirs.replace, Path(snap.files), session.workdir)
         await session.lease.swap(conn, snap.names)
         if snap.setup_ran:
             session.setup_inherited()  # restored exactly: setup_code is not run over it
@@ -197,11 +196,6 @@ class SessionBranches:
                 # The snapshot is a fork of the kernel and dies with it (PR_SET_PDEATHSIG,
                 # the launcher's reaping): a kernel that died took the way back with it.
                 await finish_shielded(snap.aclose())
-                # Freeing it shut the dead kernel down for good, which handed the working
-                # directory back from its user: give it to the kernel that replaced it.
-                conn = session.lease.connection
-                if conn is not None and isinstance(session.workdir, Path):
-                    await conn.enter_workdir(str(session.workdir))
                 return "the snapshot ended with the kernel"
             try:
                 await self.restore(session, snap)
@@ -262,33 +256,13 @@ def _not_rolled_back(ran: Ran, why: str) -> Ran:
 
 
 def copy_workdir(source: Path, target: Path) -> None:
-    """Copy a working directory's files into the directory ``target`` (:mod:`kernelexec._trees`:
-    never by path, never following a link, bounded), leaving out the layers of directories
-    lent to its kernels (their kernel's, in the mount namespace a branch shares; overlayfs's
-    own entries there are no files).
+    """Copy a working directory's files into the directory ``target`` by the snapshot's copy
+    rule (:data:`kernelexec._workdirs.SNAPSHOT`: never by path, never following a link,
+    bounded, the layers of directories lent to its kernels left out).
 
     Raises:
         TreeLimitError: the directory passes a bound of the walk.
     """
-    src = _trees.open_top(source)
-    try:
-        dst = _trees.open_top(target)
-        try:
-            done = _trees.copy(src, dst, where=str(source), skip_top=frozenset({LAYERS}))
-        finally:
-            os.close(dst)
-    finally:
-        os.close(src)
-    if done.skipped:
-        log.info("left out of the copy of %s: %r", source, done.skipped)
-
-
-def replace_workdir(source: Path, target: Path) -> None:
-    """Make ``target``'s content a copy of ``source``'s (a restore's working directory); the
-    host's own layer folder stays."""
-    dst = _trees.open_top(target)
-    try:
-        _trees.clear(dst, keep=frozenset({LAYERS}))
-    finally:
-        os.close(dst)
-    copy_workdir(source, target)
+    skipped = _workdirs.copy(source, target, _workdirs.SNAPSHOT)
+    if skipped:
+        log.info("left out of the copy of %s: %r", source, skipped)
