@@ -39,7 +39,6 @@ from kernelexec.backends._local_process import (
     KERNEL_FLAGS,
     KernelProcess,
     describe_exit,
-    seal,
 )
 from kernelexec.backends._wire import KernelWire
 
@@ -67,7 +66,7 @@ class LocalFamily(KernelFamily):
             hand_over(path, self.uid)
 
     def seal(self) -> None:
-        seal(self.own_dir or self.directory, self.uid)
+        _local_dirs.seal(self.own_dir or self.directory, self.uid)
 
     async def branch(self, template: KernelTemplate, origin: str) -> KernelConnection:
         conn = LocalConnection(

@@ -1,8 +1,10 @@
 """A local kernel's private directory: its connection file and ipc sockets, made fresh for each
-kernel and removed when it is shut down (again later when the host was out of descriptors)."""
+kernel, sealed from the kernel's user once its branches may run as that user, and removed when
+it is shut down (again later when the host was out of descriptors)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 
@@ -55,3 +57,16 @@ def _check_socket_room() -> None:
             f"would be {needed} bytes, and a Unix socket path may have at most {_SUN_PATH_MAX}. "
             "Point TMPDIR at a shorter directory (for example TMPDIR=/tmp)."
         )
+
+
+def seal(kdir: str, uid: int | None) -> None:
+    """Take a running kernel's connection file and socket files in ``kdir`` back from its
+    user (``uid``; nothing to do when None): its branches run as the same user, and must
+    neither read its key nor connect to its channels. The host (root) still can."""
+    if uid is None:
+        return
+    for entry in os.scandir(kdir):
+        if entry.name == "kernel.json" or entry.name.startswith("s-"):
+            with contextlib.suppress(OSError):
+                os.chown(entry.path, os.geteuid(), os.getegid(), follow_symlinks=False)
+                os.chmod(entry.path, 0o600, follow_symlinks=False)

@@ -397,16 +397,3 @@ async def _kill_process_group(km: AsyncKernelManager) -> None:
         os.killpg(os.getpgid(proc.pid), signal.SIGKILL)
     with contextlib.suppress(Exception):
         proc.wait(timeout=5)
-
-
-def seal(kdir: str, uid: int | None) -> None:
-    """Take a running kernel's connection file and socket files in ``kdir`` back from its
-    user (``uid``; nothing to do when None): its branches run as the same user, and must
-    neither read its key nor connect to its channels. The host (root) still can."""
-    if uid is None:
-        return
-    for entry in os.scandir(kdir):
-        if entry.name == "kernel.json" or entry.name.startswith("s-"):
-            with contextlib.suppress(OSError):
-                os.chown(entry.path, os.geteuid(), os.getegid(), follow_symlinks=False)
-                os.chmod(entry.path, 0o600, follow_symlinks=False)
