@@ -121,6 +121,7 @@ class SessionBranches:
         template = await self.brancher.snapshot(conn, session.agent_id)
         snap = AsyncSnapshot(self.brancher, template, session.agent_id, session.lease.names)
         snap.setup_ran = session.setup_current
+        snap.outlives_kernel = _outlived_by_forks(conn)
         if isinstance(session.workdir, Path):
             files = make_owned_dir("kx-")
             template.extra_dirs.append(files)
@@ -172,8 +173,30 @@ class SessionBranches:
             )
 
     async def before_atomic(self, session: AsyncSession) -> AsyncSnapshot:
-        """The snapshot an atomic run of ``session`` (held by the caller) can go back to."""
+        """The snapshot an atomic run of ``session`` (held by the caller) can go back to,
+        even if the run ends its kernel: a kernel whose end would end the snapshot too is
+        first put on a branch of itself (:meth:`_rebase`)."""
+        conn = await self._kernel(session)
+        if not _outlived_by_forks(conn):
+            await self._rebase(session, conn)
         return await self.snapshot(session)
+
+    async def _rebase(self, session: AsyncSession, conn: KernelConnection) -> None:
+        """Put a branch of ``session``'s kernel ``conn`` in its place: the same state, but a
+        kernel whose death ends none of its forks (``conn`` is kept, idle, for the branch).
+        Not where the kernel runs threads of the user's: a fork has none, and a successful
+        run must not lose them."""
+        self.brancher.check(conn, session.isolation.level, self._backend)
+        template = await self.brancher.snapshot(conn, session.agent_id)
+        snap = AsyncSnapshot(self.brancher, template, session.agent_id, ())
+        try:
+            if template.threads:
+                return
+            branch = (await self._branches_of(snap, session.agent_id, 1))[0]
+        finally:
+            await finish_shielded(snap.aclose())  # kept while the branch lives
+        await session.lease.swap(branch, session.lease.names, same=True)
+        log.info("agent %r: kernel put on a branch of itself for atomic runs", session.agent_id)
 
     async def after_atomic(self, session: AsyncSession, snap: AsyncSnapshot, ran: Ran) -> Ran:
         """End an atomic run: a failed one is rolled back to ``snap`` (the kernel put back,
@@ -193,10 +216,15 @@ class SessionBranches:
         was, else why it could not be."""
         try:
             if not snap.template.alive():
-                # The snapshot is a fork of the kernel and dies with it (PR_SET_PDEATHSIG,
-                # the launcher's reaping): a kernel that died took the way back with it.
+                # Killed (by its user, the OOM killer), or ended with a kernel it could not
+                # outlive (before_atomic).
                 await finish_shielded(snap.aclose())
-                return "the snapshot ended with the kernel"
+                if not snap.outlives_kernel:
+                    return (
+                        "the snapshot ended with the kernel (the kernel runs threads of its "
+                        "own, so the session was not moved to a branch, which would not have them)"
+                    )
+                return "the snapshot's process was killed"
             try:
                 await self.restore(session, snap)
             except (BranchError, KernelStartError, TreeLimitError) as exc:
@@ -243,6 +271,13 @@ class SessionBranches:
                     await shutdown_fully(conn)
             raise
         return made
+
+
+def _outlived_by_forks(conn: KernelConnection) -> bool:
+    """Whether a fork of ``conn``'s kernel outlives that kernel (see
+    :attr:`~kernelexec.backends._base.KernelFamily.forks_outlive`)."""
+    family = conn.family()
+    return family is None or family.forks_outlive
 
 
 def _not_rolled_back(ran: Ran, why: str) -> Ran:

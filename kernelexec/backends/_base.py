@@ -267,9 +267,12 @@ class KernelFamily(abc.ABC):
     Attributes:
         directory: A private directory of the family's first kernel, in its mount namespace,
             where templates' directories are made (removed with that kernel).
+        forks_outlive: Whether processes forked from this kernel outlive it (not where its
+            end ends every descendant, as a launcher's kernel's does).
     """
 
     directory: str
+    forks_outlive: bool
 
     @abc.abstractmethod
     def hand_over(self, path: str) -> None:

@@ -60,6 +60,9 @@ class LocalFamily(KernelFamily):
     budget: BudgetGroup | None = None
     own_dir: str = ""
     """The private directory of the kernel this was taken from (its channels, sealed)."""
+    forks_outlive: bool = True
+    """Not at a launcher's own kernel (isolation ``"process"``: the launcher kills every
+    descendant when its kernel ends); a branch's launcher is its family's first kernel's."""
 
     def hand_over(self, path: str) -> None:
         if self.uid is not None:
@@ -178,7 +181,7 @@ class LocalConnection(KernelConnection):
     def family(self) -> LocalFamily:
         """How this kernel runs, for a fork of it (see :class:`LocalFamily`)."""
         if self._family is not None and self.launched_by == "branch":
-            return dataclasses.replace(self._family, own_dir=self._dir)
+            return dataclasses.replace(self._family, own_dir=self._dir, forks_outlive=True)
         return LocalFamily(
             self._python,
             self._extra_args,
@@ -189,6 +192,7 @@ class LocalConnection(KernelConnection):
             self._dir,
             self._confinement.budget,
             self._dir,
+            forks_outlive=not self._sandbox.confined,
         )
 
     def connection_info(self) -> dict[str, Any] | None:
