@@ -120,6 +120,16 @@ def _crc_file(path: Path) -> int:
     return crc
 
 
+def empty(workdir: Path) -> None:
+    """Remove what ``workdir`` holds, nothing followed (its files are stale: another executor
+    ran the agent since, and the checkpoint's archive is to be unpacked there)."""
+    top = _trees.open_top(workdir)
+    try:
+        _trees.clear(top)
+    finally:
+        os.close(top)
+
+
 def extract(source: Path, workdir: Path, size: int, crc: int) -> str | None:
     """Unpack an archive into ``workdir`` if that is empty; what went wrong, else None."""
     top = _trees.open_top(workdir)

@@ -101,6 +101,20 @@ class Report:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+def kernel_side_sources() -> dict[str, str]:
+    """The kernel side's source texts, by their key in :func:`bootstrap_request`'s metadata:
+    every new kernel executes them. A fork server compiles them once for all its kernels
+    (``backends._forkserver``); a kernel compiles a text its server did not."""
+    files = importlib.resources.files(__package__)
+    return {
+        kernel_side.INSTALL_SOURCE: files.joinpath("_kernel_side.py").read_text(),
+        kernel_side.INSTALL_BUDGET_SOURCE: files.joinpath("_kernel_budget.py").read_text(),
+        kernel_side.INSTALL_TUNING_SOURCE: files.joinpath("_kernel_tuning.py").read_text(),
+        kernel_side.INSTALL_OUTPUT_SOURCE: files.joinpath("_kernel_output.py").read_text(),
+        kernel_side.INSTALL_NAMESPACE_SOURCE: _NAMESPACE_SOURCE.read_text(),
+    }
+
+
 def bootstrap_request(
     max_output_chars: int, *, fast_paths: bool | None = None, fast_calls: bool = True
 ) -> ExecuteRequest:
@@ -110,7 +124,6 @@ def bootstrap_request(
     ``KERNELEXEC_FAST_CALLS=0`` in the environment turns that off whatever the caller says,
     so a whole test suite can run on the execute path.
     """
-    files = importlib.resources.files(__package__)
     if fast_paths is None:
         fast_paths = os.environ.get("KERNELEXEC_NO_FAST_PATHS") != "1"
     fast_calls = fast_calls and os.environ.get("KERNELEXEC_FAST_CALLS", "1") != "0"
@@ -123,8 +136,13 @@ def bootstrap_request(
         f"    meta = get_ipython().kernel.get_parent()['metadata'][{kernel_side.METADATA_KEY!r}]\n"
         f"    mod = types.ModuleType({kernel_side.MODULE_NAME!r})\n"
         f"    sys.modules[{kernel_side.MODULE_NAME!r}] = mod\n"
-        f"    exec(compile(meta[{kernel_side.INSTALL_SOURCE!r}], '<kernelexec>', 'exec'), "
-        "mod.__dict__)\n"
+        f"    source = meta[{kernel_side.INSTALL_SOURCE!r}]\n"
+        f"    compiled = sys.modules.get({kernel_side.COMPILED_MODULE_NAME!r})\n"
+        "    codes = getattr(compiled, 'codes', None)  # the fork server's (see _forkserver)\n"
+        "    code = codes.get(source) if isinstance(codes, dict) else None\n"
+        "    if not isinstance(code, types.CodeType):\n"
+        "        code = compile(source, '<kernelexec>', 'exec')\n"
+        "    exec(code, mod.__dict__)\n"
         "    mod.install()\n"
         "__kx_install(); del __kx_install\n"
     )
@@ -134,11 +152,7 @@ def bootstrap_request(
         store_history=False,
         metadata={
             kernel_side.METADATA_KEY: {
-                kernel_side.INSTALL_SOURCE: files.joinpath("_kernel_side.py").read_text(),
-                kernel_side.INSTALL_BUDGET_SOURCE: files.joinpath("_kernel_budget.py").read_text(),
-                kernel_side.INSTALL_TUNING_SOURCE: files.joinpath("_kernel_tuning.py").read_text(),
-                kernel_side.INSTALL_OUTPUT_SOURCE: files.joinpath("_kernel_output.py").read_text(),
-                kernel_side.INSTALL_NAMESPACE_SOURCE: _NAMESPACE_SOURCE.read_text(),
+                **kernel_side_sources(),
                 "max_output_chars": max_output_chars,
                 "report_expression": REPORT_EXPRESSION,
                 "fast_paths": fast_paths,

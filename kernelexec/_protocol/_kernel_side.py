@@ -146,6 +146,10 @@ NAMESPACE_MODULE_NAME = "__kernelexec_namespace__"
 """The name ``_namespace/_kernel_namespace.py`` (a run's changes, the variables listing) is
 installed under."""
 
+COMPILED_MODULE_NAME = "__kernelexec_compiled__"
+"""A module a fork server leaves in its kernels: ``codes`` maps each of these sources, as the
+install request carries it, to its code, compiled once in the server (see ``_forkserver``)."""
+
 CHANGES_PAYLOAD = "kernelexec.changes"
 """The ``source`` of the reply payload with a run's changes (the namespace module's)."""
 
@@ -233,8 +237,15 @@ def _load_module(name: str, source: Any) -> Any:
         return None
     module = types.ModuleType(name)
     sys.modules[name] = module
-    exec(compile(source, "<kernelexec>", "exec"), module.__dict__)
+    exec(_compiled(source), module.__dict__)
     return module
+
+
+def _compiled(source: str) -> types.CodeType:
+    """The code of ``source``: its fork server's, when it compiled the same text, else new."""
+    codes = getattr(sys.modules.get(COMPILED_MODULE_NAME), "codes", None)
+    code = codes.get(source) if isinstance(codes, dict) else None
+    return code if isinstance(code, types.CodeType) else compile(source, "<kernelexec>", "exec")
 
 
 def install() -> None:
