@@ -17,6 +17,7 @@ from kernelexec import _trees
 from kernelexec._exceptions import TreeLimitError
 from kernelexec._paths import within as within  # the loans' rule, re-exported
 from kernelexec._tempdirs import KERNEL_UID_BASE as UID_BASE
+from kernelexec._workdirs import LAYERS
 
 
 def is_root() -> bool:
@@ -73,12 +74,6 @@ def hand_back(path: str, uid: int) -> None:
             )
     finally:
         os.close(top)
-
-
-LAYERS = ".kx-lent"
-"""The folder of a session's working directory holding the layers of the directories lent to
-its kernels copy on write (:mod:`kernelexec._sandbox._lend`): it stays the host's, 0700, and
-only the upper layers inside it change hands."""
 
 
 def hand_over(path: str, uid: int) -> None:
