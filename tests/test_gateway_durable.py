@@ -74,6 +74,21 @@ def test_agent_hibernated_on_one_gateway_resumes_on_another(
         assert back.restored.bytes > 256 * 1024
         # The kernel's staging directory is gone; the files are the second gateway's now.
         assert sorted(p.name for p in cwd.iterdir()) == ["notes.txt", "sub"]
+        ex.run_code(
+            "nums.append(4)\nopen('notes.txt', 'w').write('changed on gateway two')\n"
+            "os.remove('sub/b.bin')",
+            agent_id="a",
+        ).raise_for_error()
+    # Closed: saved on the way out. Back on gateway one, whose directory still holds the older
+    # files: they are replaced by the checkpoint's.
+    with kx.KernelExecutor(backend=backend(one), state_dir=state, default_timeout=60) as ex:
+        again = ex.run_code(
+            "print(nums, open('notes.txt').read(), sorted(os.listdir('sub')))", agent_id="a"
+        )
+        assert again.error is None, again.error
+        assert again.stdout == "[1, 2, 3, 4] changed on gateway two []\n"
+        assert again.lost_variables == []
+        ex.delete_state("a")
 
 
 def test_checkpoint_over_the_limit_is_refused_as_locally(
@@ -96,3 +111,91 @@ def test_checkpoint_over_the_limit_is_refused_as_locally(
             ex.session("a").hibernate()
     assert not any((state / "agents").glob("*/manifest.json"))
     assert not any((state / "staging").glob("*")) if (state / "staging").exists() else True
+
+
+def test_after_call_checkpoints_are_refused_with_a_reason(
+    gateways: tuple[Gateway, Gateway], tmp_path: Path
+) -> None:
+    with pytest.raises(kx.ConfigError, match="after_call.*on_evict"):
+        kx.KernelExecutor(
+            backend=backend(gateways[0]), state_dir=tmp_path / "s", checkpoint="after_call"
+        )
+
+
+# -- what a kernel announces is checked, never trusted ------------------------------------------
+
+_FORGE_RECORD = (
+    "import os, sys\n"
+    "st = sys.modules['__kernelexec_state__']\n"
+    "def forged(staging, *a, **k):\n"
+    "    os.makedirs(staging, exist_ok=True)\n"
+    "    with open(os.path.join(staging, 'r' + 'c' * 24 + '.rec'), 'wb') as f:\n"
+    "        f.truncate(2 << 30)\n"
+    "    return st._Answer({'gen': 1, 'records': [{'kind': 'raw', 'names': ['big'],\n"
+    "        'file': NAME, 'size': SIZE, 'crc': 0}], 'unsaved': {}, 'environ': {}})\n"
+    "st.save = forged\n"
+)
+_GOOD = "'r' + 'c' * 24 + '.rec'"
+
+
+@pytest.mark.parametrize(
+    ("name", "size"),
+    [
+        (_GOOD, "-1"),
+        (_GOOD, str(2 << 30)),  # the sparse file's real size, past the bound
+        (_GOOD, "'2147483648'"),
+        (_GOOD, "1000"),  # smaller than the file: the kernel would send more
+        ("'../../r' + 'c' * 24 + '.rec'", "1"),
+        ("'manifest.json'", "1"),
+    ],
+)
+def test_a_forged_record_is_refused_and_nothing_is_saved(
+    gateways: tuple[Gateway, Gateway], tmp_path: Path, name: str, size: str
+) -> None:
+    state = tmp_path / "state"
+    with kx.KernelExecutor(
+        backend=backend(gateways[0]), state_dir=state, max_checkpoint_bytes=64 << 20
+    ) as ex:
+        s = ex.session("forger")
+        s.run_code("x = 1").raise_for_error()
+        s.hibernate()  # installs the kernel side of durable state
+        s.run_code(_FORGE_RECORD.replace("NAME", name).replace("SIZE", size)).raise_for_error()
+        with pytest.raises(kx.StateError):
+            s.hibernate()
+        held = sum(p.stat().st_blocks * 512 for p in state.rglob("*") if p.is_file())
+        assert held < 1 << 20
+        assert s.run_code("print(x)").stdout == "1\n"  # the kernel and its state are kept
+        ex.delete_state("forger")
+
+
+_FORGE_BYTES = (
+    "import sys\n"
+    "t = sys.modules['__kernelexec_transfer__']\n"
+    "real = t._read\n"
+    "def forged(staging, name, offset, size):\n"
+    "    got = real(staging, name, offset, size)\n"
+    "    if got['data']:\n"
+    "        import base64\n"
+    "        got['data'] = base64.b64encode(b'z' * len(base64.b64decode(got['data']))).decode()\n"
+    "    return got\n"
+    "t._read = forged\n"
+    "t._OPS['read'] = forged\n"
+)
+
+
+def test_bytes_changed_on_the_way_are_refused_by_their_crc(
+    gateways: tuple[Gateway, Gateway], tmp_path: Path
+) -> None:
+    state = tmp_path / "state"
+    with kx.KernelExecutor(backend=backend(gateways[1]), state_dir=state) as ex:
+        s = ex.session("a")
+        s.run_code("x = 1").raise_for_error()
+        first = s.hibernate()  # a good checkpoint; the transfer helper is in the next kernel
+        assert first.saved == ["x"]
+        s.run_code("x = 2").raise_for_error()
+        s.hibernate()
+        s.run_code(_FORGE_BYTES + "x = 3").raise_for_error()
+        with pytest.raises(kx.StateError, match="CRC"):
+            s.hibernate()
+        assert s.run_code("print(x)").stdout == "3\n"
+        ex.delete_state("a")
