@@ -107,7 +107,7 @@ def test_checkpoint_over_the_limit_is_refused_as_locally(
         assert ex.run_code("print(len(blob))", agent_id="a").stdout == "200000\n"
         # Files past the limit are refused the same way (the variables alone fit).
         ex.run_code("del blob; open('big.bin', 'wb').write(b'y' * 150_000)", agent_id="a")
-        with pytest.raises(kx.CheckpointTooLargeError, match="big.bin"):
+        with pytest.raises(kx.CheckpointTooLargeError, match=r"big\.bin"):
             ex.session("a").hibernate()
     assert not any((state / "agents").glob("*/manifest.json"))
     assert not any((state / "staging").glob("*")) if (state / "staging").exists() else True
@@ -116,7 +116,7 @@ def test_checkpoint_over_the_limit_is_refused_as_locally(
 def test_after_call_checkpoints_are_refused_with_a_reason(
     gateways: tuple[Gateway, Gateway], tmp_path: Path
 ) -> None:
-    with pytest.raises(kx.ConfigError, match="after_call.*on_evict"):
+    with pytest.raises(kx.ConfigError, match=r"after_call.*on_evict"):
         kx.KernelExecutor(
             backend=backend(gateways[0]), state_dir=tmp_path / "s", checkpoint="after_call"
         )

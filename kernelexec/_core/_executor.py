@@ -26,10 +26,10 @@ from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
 from kernelexec._durable._handoff import Handoff
 from kernelexec._durable._keeper import Replayer, Runner, SessionState
-from kernelexec._durable._transfer import RemoteSessionState
 from kernelexec._durable._leases import LeaseBook
 from kernelexec._durable._rebuild import replay
 from kernelexec._durable._store import StateStore
+from kernelexec._durable._transfer import RemoteSessionState
 from kernelexec._envs._builder import EnvBuilder, ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError

@@ -140,8 +140,8 @@ def _pack(workdir: str, staging: str, name: str, limit: int) -> dict[str, Any]:
                 tar.close()
                 os.unlink(dest)
                 return {"too_large": total, "path": arcname}
-            with open(path, "rb") as f:
-                tar.addfile(tar.gettarinfo(arcname=arcname, fileobj=f), f)
+            with open(path, "rb") as raw:
+                tar.addfile(tar.gettarinfo(arcname=arcname, fileobj=raw), raw)
     size, crc = _crc(dest)
     return {"size": size, "crc": crc, "skipped": skipped}
 
@@ -152,7 +152,7 @@ def _unpack(workdir: str, staging: str, name: str, size: int, crc: int) -> dict[
     absolute names, no devices)."""
     src = _path(staging, name)
     if _crc(src) != (size, crc):
-        return {"problem": "the working directory's archive is damaged; its files were not restored"}
+        return {"problem": "the working directory's archive is damaged; not restored"}
     os.makedirs(workdir, exist_ok=True)
     for entry in os.listdir(workdir):
         if entry == _STAGING:

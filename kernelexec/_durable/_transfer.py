@@ -14,6 +14,7 @@ fetch between calls).
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import importlib.resources
@@ -124,7 +125,7 @@ class KernelChannel:
             )
             if extra.get("data") or (crc is not None and got != crc):
                 raise StateError(f"staged file {name} is not the file announced (size or CRC)")
-            os.fsync(fd)
+            await asyncio.to_thread(os.fsync, fd)
         except BaseException:
             os.close(fd)
             with contextlib.suppress(FileNotFoundError):
@@ -132,12 +133,15 @@ class KernelChannel:
             raise
         os.close(fd)
 
-    async def put(self, run: Runner, generation: int, source: Path, staging: str, name: str) -> None:
+    async def put(
+        self, run: Runner, generation: int, source: Path, staging: str, name: str
+    ) -> None:
         """Copy the host file ``source`` into the kernel's staging directory as ``name``."""
-        with open(source, "rb") as f:
+        fd = await asyncio.to_thread(os.open, source, os.O_RDONLY | os.O_NOFOLLOW)
+        try:
             offset = 0
             while True:
-                data = f.read(CHUNK)
+                data = await asyncio.to_thread(os.pread, fd, CHUNK, offset)
                 if not data and offset:
                     break
                 await self.ask(
@@ -147,6 +151,8 @@ class KernelChannel:
                 offset += len(data)
                 if not data:
                     break
+        finally:
+            os.close(fd)
 
 
 class RemoteSessionState(SessionState):
@@ -306,4 +312,3 @@ class RemoteSessionState(SessionState):
                 await self.channel.ask(run, generation, "clear", staging=kstaging)
                 # The kernel's first run enters the session's directory by its relative path.
                 await self.channel.ask(run, generation, "chdir", path=str(where["here"]))
-
