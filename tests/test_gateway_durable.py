@@ -42,6 +42,7 @@ def test_agent_hibernated_on_one_gateway_resumes_on_another(
     with kx.KernelExecutor(backend=backend(one), state_dir=state, default_timeout=60) as ex:
         r = ex.run_code(
             "big = bytes(range(256)) * 1024\n"  # 256 KiB: a raw record of its own
+            "edge = b'e' * ((2 << 20) + 1)\n"  # one byte past a transfer chunk
             "nums = [1, 2, 3]\n"
             "def twice(x):\n    return 2 * x\n"
             "open('notes.txt', 'w').write('kept on gateway one')\n"
@@ -51,7 +52,7 @@ def test_agent_hibernated_on_one_gateway_resumes_on_another(
         )
         assert r.error is None, r.error
         saved = ex.session("a").hibernate()
-        assert saved.saved == ["big", "nums", "os", "twice"], saved
+        assert saved.saved == ["big", "edge", "nums", "os", "twice"], saved
         assert saved.not_saved == {}
     # The first gateway's copy of the directory is not where the second one looks.
     assert (one.work / "kernelexec" / "a" / "notes.txt").read_text() == "kept on gateway one"
@@ -60,7 +61,9 @@ def test_agent_hibernated_on_one_gateway_resumes_on_another(
     with kx.KernelExecutor(backend=backend(two), state_dir=state, default_timeout=60) as ex:
         back = ex.run_code(
             "import os\n"
-            "print(twice(nums[2]), big == bytes(range(256)) * 1024, open('notes.txt').read(),"
+            "same = big == bytes(range(256)) * 1024 and edge == b'e' * ((2 << 20) + 1)\n"
+            "print(twice(nums[2]), same,"
+            " open('notes.txt').read(),"
             " len(open('sub/b.bin', 'rb').read()), os.getcwd())",
             agent_id="a",
         )
@@ -68,7 +71,7 @@ def test_agent_hibernated_on_one_gateway_resumes_on_another(
         cwd = two.work / "kernelexec" / "a"
         assert back.stdout == f"6 True kept on gateway one 10000 {cwd}\n"
         assert back.restored is not None
-        assert back.restored.names == ["big", "nums", "os", "twice"]
+        assert back.restored.names == ["big", "edge", "nums", "os", "twice"]
         assert back.restored.not_restored == {} and back.restored.problems == []
         assert back.lost_variables == []
         assert back.restored.bytes > 256 * 1024
@@ -199,3 +202,21 @@ def test_bytes_changed_on_the_way_are_refused_by_their_crc(
             s.hibernate()
         assert s.run_code("print(x)").stdout == "3\n"
         ex.delete_state("a")
+
+
+def test_a_live_agent_is_handed_over_between_executors_on_two_gateways(
+    gateways: tuple[Gateway, Gateway], tmp_path: Path
+) -> None:
+    one, two = gateways
+    state = tmp_path / "state"
+    with (
+        kx.KernelExecutor(backend=backend(one), state_dir=state, default_timeout=60) as first,
+        kx.KernelExecutor(backend=backend(two), state_dir=state, default_timeout=60) as second,
+    ):
+        first.run_code("x = 1\nopen('log.txt', 'w').write('1')", agent_id="a").raise_for_error()
+        # The first executor holds the agent, idle: asked, it hibernates it and lets it go.
+        moved = second.run_code("x += 1\nopen('log.txt', 'a').write('2')\nprint(x)", agent_id="a")
+        assert moved.stdout == "2\n" and moved.restored is not None
+        assert moved.restored.names == ["x"] and moved.lost_variables == []
+        back = first.run_code("x += 1\nprint(x, open('log.txt').read())", agent_id="a")
+        assert back.stdout == "3 12\n" and back.restored is not None
