@@ -215,7 +215,8 @@ class RemoteSessionState(SessionState):
             )
         kstaging = str(where["staging"])
         have = self.store.agent_dir(self.agent_id, self.env)
-        self._host_staging.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self._host_staging.parent.mkdir(exist_ok=True, mode=0o700)
+        self._host_staging.mkdir(exist_ok=True, mode=0o700)
         for rec in records:
             name = rec.get("file")
             if not name or (have / str(name)).exists():
