@@ -19,6 +19,7 @@ import base64
 import contextlib
 import importlib.resources
 import json
+import logging
 import os
 import re
 import zlib
@@ -29,10 +30,13 @@ from kernelexec._durable import _kernel_transfer as kt
 from kernelexec._durable._keeper import Runner, SessionState, _checked_records
 from kernelexec._durable._store import Manifest, now_iso
 from kernelexec._exceptions import CheckpointTooLargeError, StateError
+from kernelexec._observability._logtext import untrusted
 from kernelexec._protocol._host import ExecuteRequest
 
 CHUNK = 2 << 20
 """Bytes per request: base64 makes 2.7 MiB of it, under a gateway's 10 MiB message limit."""
+log = logging.getLogger("kernelexec")
+
 _KEY = "kx_transfer"
 _META = "kernelexec_transfer"
 _TIMEOUT = 120.0
@@ -309,8 +313,8 @@ class RemoteSessionState(SessionState):
                     run, generation, "unpack", workdir=kworkdir, staging=kstaging, name=name,
                     size=int(manifest.files["size"]), crc=int(manifest.files["crc"]),
                 )  # fmt: skip
-                if unpacked.get("problem"):
-                    raise StateError(str(unpacked["problem"]))
+                if unpacked.get("problem"):  # the variables may still come back, as locally
+                    log.warning("agent %r: %s", self.agent_id, untrusted(unpacked["problem"]))
             args = {**args, "staging": kstaging, "cwd": kworkdir}
             return await super()._ask(run, generation, "restore", args)
         finally:
