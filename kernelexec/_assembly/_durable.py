@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from pathlib import Path
+from pathlib import Path, PurePath
 
 from kernelexec._config import ExecutorConfig
 from kernelexec._core._lease import KernelLease
@@ -17,6 +17,7 @@ from kernelexec._durable._keeper import Replayer, Runner, SessionState
 from kernelexec._durable._leases import LeaseBook
 from kernelexec._durable._rebuild import replay
 from kernelexec._durable._store import StateStore
+from kernelexec._durable._transfer import RemoteSessionState
 from kernelexec._exceptions import ConfigError
 from kernelexec._observability._logtext import untrusted
 from kernelexec._recording import SessionRecorder
@@ -30,20 +31,23 @@ class DurableSessions:
     Args:
         config: The executor's configuration (its ``state_dir`` is set).
         backend: The backend's name (for the error when it cannot keep state).
-        host_filesystem: Whether the backend's kernels see this host's filesystem.
+        host_filesystem: Whether the backend's kernels see this host's filesystem (if not, the
+            state moves through the kernel protocol).
 
     Raises:
-        ConfigError: the backend's kernels do not see this host's filesystem.
+        ConfigError: ``checkpoint="after_call"`` where the backend's kernels do not see this
+            host's filesystem.
     """
 
     def __init__(self, config: ExecutorConfig, backend: str, host_filesystem: bool) -> None:
         assert config.state_dir is not None
-        if not host_filesystem:
+        if not host_filesystem and config.checkpoint == "after_call":
             raise ConfigError(
-                f"state_dir: the {backend!r} backend does not support durable "
-                "sessions yet (its kernels do not see this host's filesystem)"
+                f"checkpoint='after_call': the {backend!r} backend's kernels do "
+                "not see this host's filesystem; its durable sessions save on_evict"
             )
         self._config = config
+        self._host_filesystem = host_filesystem
         self.store = StateStore(config.state_dir)
         self.handoff = Handoff(LeaseBook(config.state_dir), config.handoff_timeout)
 
@@ -69,7 +73,7 @@ class DurableSessions:
         self,
         agent_id: str,
         key: str,
-        workdir: Path,
+        workdir: PurePath,
         lease: KernelLease,
         *,
         same_user: bool,
@@ -81,11 +85,12 @@ class DurableSessions:
         through ``lease``; with a recording, names are rebuilt from it when a checkpoint
         cannot bring them back."""
         cfg = self._config
-        keeper = SessionState(
+        state = SessionState if self._host_filesystem else RemoteSessionState
+        keeper = state(
             self.store,
             agent_id,
             key,
-            workdir,
+            Path(workdir),  # a gateway's: relative, as its kernels see it
             checkpoint=cfg.checkpoint,
             limit=cfg.max_checkpoint_bytes,
             same_user=same_user,

@@ -45,8 +45,8 @@ class SessionAssembly:
         brancher: Forks the processes of sessions' kernels (the core's pools' keeper).
 
     Raises:
-        ConfigError: a ``state_dir`` is set and the backend's kernels do not see this host's
-            filesystem.
+        ConfigError: ``checkpoint="after_call"`` with a ``state_dir`` where the backend's
+            kernels do not see this host's filesystem.
     """
 
     def __init__(self, core: ExecutorCore, brancher: Brancher) -> None:
@@ -157,7 +157,7 @@ class SessionAssembly:
             lease.subscribe(SessionRegistration(agent_id, fingerprint, core.backend.name))
         durable = None
         if self.durable is not None:
-            assert isinstance(workdir, Path) and claim is not None
+            assert claim is not None
             durable = self.durable.keeper(
                 agent_id,
                 "" if default else fingerprint,
