@@ -32,6 +32,7 @@ from kernelexec._durable._keeper import Replayer, Runner, SessionState
 from kernelexec._durable._leases import LeaseBook
 from kernelexec._durable._rebuild import replay
 from kernelexec._durable._store import StateStore
+from kernelexec._durable._transfer import RemoteSessionState
 from kernelexec._envs._builder import EnvBuilder, ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError
@@ -133,10 +134,10 @@ class AsyncKernelExecutor:
         self._store: StateStore | None = None
         self._handoff: Handoff | None = None
         if self.config.state_dir is not None:
-            if not self.backend.host_filesystem:
+            if not self.backend.host_filesystem and self.config.checkpoint == "after_call":
                 raise ConfigError(
-                    f"state_dir: the {self.backend.name!r} backend does not support durable "
-                    "sessions yet (its kernels do not see this host's filesystem)"
+                    f"checkpoint='after_call': the {self.backend.name!r} backend's kernels do "
+                    "not see this host's filesystem; its durable sessions save on_evict"
                 )
             self._store = StateStore(self.config.state_dir)
             self._handoff = Handoff(LeaseBook(self.config.state_dir), self.config.handoff_timeout)
@@ -432,12 +433,12 @@ class AsyncKernelExecutor:
             lease.subscribe(SessionRegistration(agent_id, fingerprint, self.backend.name))
         durable = None
         if self._store is not None:
-            assert isinstance(workdir, Path)
-            durable = SessionState(
+            state = SessionState if self.backend.host_filesystem else RemoteSessionState
+            durable = state(
                 self._store,
                 agent_id,
                 "" if env == self.env else fingerprint,
-                workdir,
+                Path(workdir),  # a gateway's: relative, as its kernels see it
                 checkpoint=cfg.checkpoint,
                 limit=cfg.max_checkpoint_bytes,
                 same_user=self.isolation_of(env).level == "none",
