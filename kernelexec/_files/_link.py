@@ -24,6 +24,7 @@ from kernelexec._files._wire import (
     wait_reply,
 )
 from kernelexec._protocol._host import with_configure
+from kernelexec._protocol._install import Installed
 from kernelexec.backends._base import KernelConnection, KernelMessage
 
 
@@ -60,7 +61,7 @@ class KernelLink:
         self._check_open = check_open
         self._workdir = workdir
         self.timeout = timeout
-        self._installed: tuple[int, int] | None = None  # (connection, generation)
+        self._installed = Installed()
 
     async def connect(self) -> KernelConnection:
         """The session's kernel, with the files helper installed."""
@@ -71,7 +72,7 @@ class KernelLink:
             raise FileTransferError(
                 "this backend does not carry kernelexec's own messages; file operations need them"
             )
-        if self._installed != (id(conn), self.lease.generation):
+        if not self._installed.on(self.lease.generation, conn):
             await self._install(conn)
         return conn
 
@@ -93,7 +94,7 @@ class KernelLink:
         if got.content.get("status") != "ok" or not installed(got.content):
             why = got.content.get("evalue") or "this ipykernel has no shell handler table"
             raise FileTransferError(f"the kernel cannot serve file operations: {why}")
-        self._installed = (id(conn), self.lease.generation)
+        self._installed.mark(self.lease.generation, conn)
 
     async def request(
         self,
@@ -141,7 +142,7 @@ class KernelLink:
     async def _stalled(self, stalled: Stalled, what: str) -> NoReturn:
         """The kernel died, or did not answer in time (a shell handler cannot be interrupted
         into answering): either way it is replaced, and the next run says so."""
-        self._installed = None
+        self._installed.forget()
         await self.lease.lose_state()
         if stalled.died is not None:
             raise FileTransferError(f"the kernel died during {what} ({stalled.died.reason})")
