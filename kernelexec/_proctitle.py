@@ -1,6 +1,6 @@
 """Process titles: every process kernelexec starts names itself in ``ps`` (``kernelexec fork
 server``, ``kernelexec launcher``, ``kernelexec kernel <agent id> [<isolation>]``, ``kernelexec
-ns helper``, ``kernelexec disk helper``).
+ns helper``, ``kernelexec disk helper``, ``kernelexec command`` for a command's supervisor).
 
 :func:`set_title` does what ``setproctitle`` does, by hand and with the standard library only,
 because it runs in processes whose interpreter may lack any package: it overwrites the memory
@@ -9,9 +9,10 @@ and sets the thread name ``top`` and ``ps -e`` show (``prctl(PR_SET_NAME)``). Th
 to the length of the original command line. Where it cannot (not Linux), nothing changes.
 
 Two ways in: processes started with ``-c`` (the fork server, the launcher, a plain kernel's
-launch line, the kernel side) carry :data:`SOURCE`, the text of :func:`set_title`; the host-wide
-helpers are modules of their own, run as scripts by this module (:func:`helper_command`), which
-titles the process before it runs the helper. This module imports only the standard library.
+launch line, the kernel side, a command's supervisor) carry :data:`SOURCE`, the text of
+:func:`set_title`; the host-wide helpers are modules of their own, run as scripts by this module
+(:func:`helper_command`), which titles the process before it runs the helper. This module
+imports only the standard library.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import sys
 def set_title(title: str, comm: str | None = None) -> bool:
     """Show ``title`` as this process's command line (and ``comm`` as its name); False when
     this system does not allow it."""
+    import contextlib
     import ctypes
 
     try:
@@ -39,10 +41,8 @@ def set_title(title: str, comm: str | None = None) -> bool:
     # A NUL after the title and none at the end: Linux then shows the title alone.
     ctypes.memmove(start, (data + b"\0").ljust(size, b" "), size)
     if comm:
-        try:
+        with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL(None).prctl(15, str(comm).encode()[:15], 0, 0, 0)
-        except (OSError, AttributeError):
-            pass
     return True
 
 
@@ -50,6 +50,8 @@ FORK_SERVER = "kernelexec fork server"
 LAUNCHER = "kernelexec launcher"
 NS_HELPER = "kernelexec ns helper"
 DISK_HELPER = "kernelexec disk helper"
+COMMAND = "kernelexec command"
+"""A background command's supervisor (in the kernel; the command itself keeps its own title)."""
 KERNEL = "kernelexec kernel"
 NO_AGENT = "(pool)"
 """Shown in place of an agent id until a session takes the kernel."""
@@ -60,6 +62,7 @@ COMMS = {
     KERNEL: "kx-kernel",
     NS_HELPER: "kx-ns-helper",
     DISK_HELPER: "kx-disk-helper",
+    COMMAND: "kx-command",
 }
 """The short names (15 bytes at most) ``ps -e`` and ``top`` show."""
 

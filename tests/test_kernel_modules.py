@@ -160,3 +160,19 @@ def test_the_title_source_is_the_checked_function() -> None:
     exec(compile(_proctitle.SOURCE, "<title>", "exec"), space)
     assert space["kx_set_title"] is space["set_title"]
     assert "{" not in _proctitle.SOURCE
+
+
+def test_a_commands_supervisor_shows_its_title_not_its_source() -> None:
+    """The supervisor (``_kernel_supervisor.py``) runs a command as its child: its own command
+    line is its title (it was its source), the command's is the command's."""
+    with kx.KernelExecutor(isolation="none", default_timeout=60) as ex:
+        s = ex.session("supervised")
+        proc = s.commands.start("echo $PPID; exec sleep 1000")
+        while b"\n" not in proc.stdout:
+            proc.poll(wait=0.2)
+        supervisor = int(proc.stdout.split()[0])
+        assert _cmdline(supervisor) == b"kernelexec command\0"
+        assert psutil.Process(supervisor).name() == "kx-command"
+        assert psutil.Process(supervisor).children()[0].cmdline() == ["sleep", "1000"]
+        proc.kill()
+        assert proc.wait(timeout=20) == -9

@@ -14,6 +14,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from kernelexec import _proctitle
 from kernelexec._exceptions import (
     FileTransferError,
     PathRefusedError,
@@ -26,6 +27,7 @@ from kernelexec._exceptions import (
 )
 from kernelexec._files import _kernel_commands as kernel_commands
 from kernelexec._files import _kernel_files as kernel_files
+from kernelexec._files import _kernel_supervisor as kernel_supervisor
 from kernelexec._protocol import _install
 from kernelexec._protocol._install import ExecuteRequest, KernelModule
 from kernelexec._public import public
@@ -104,10 +106,21 @@ exchange = ask
 """One files or commands request and its reply (:func:`kernelexec.backends._ask.ask`)."""
 
 
+SUPERVISOR = KernelModule("__main__", kernel_supervisor.__name__, entry=None)
+"""A command's supervisor: not installed as a module but handed to the commands helper, which
+runs it (titled) as each command's parent."""
+
+
+def _supervisor_code() -> str:
+    title = f"kx_set_title({_proctitle.COMMAND!r}, {_proctitle.COMMS[_proctitle.COMMAND]!r})\n"
+    return _proctitle.SOURCE + title + SUPERVISOR.source()
+
+
 def install_request(workdir: str) -> ExecuteRequest:
     """The request that installs the files and commands helpers in a kernel; its reply says
     whether both serve (:func:`installed`)."""
-    return _install.install_request([(FILES_MODULE, [workdir]), COMMANDS_MODULE])
+    modules = [(FILES_MODULE, [workdir]), (COMMANDS_MODULE, [_supervisor_code()])]
+    return _install.install_request(modules)
 
 
 def installed(reply: dict[str, Any]) -> bool:
