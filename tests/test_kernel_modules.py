@@ -69,7 +69,8 @@ def test_every_kernel_half_is_declared_once_and_named_in_the_one_contract() -> N
         "kernelexec." + ".".join(path.relative_to(ROOT / "kernelexec").with_suffix("").parts)
         for path in (ROOT / "kernelexec").rglob("_kernel_*.py")
     }
-    assert set(declared) == files
+    loader = "kernelexec._protocol._kernel_loader"  # the install request's code, not a module
+    assert set(declared) == files - {loader}
     assert len({m.name for m in declared.values()}) == len(declared)  # one name each
     helpers = {"kernelexec._sandbox._helper_ns", "kernelexec._sandbox._helper_disk"}
     assert set(_stdlib_contract()["source_modules"]) == files | helpers  # type: ignore[arg-type]
@@ -176,3 +177,38 @@ def test_a_commands_supervisor_shows_its_title_not_its_source() -> None:
         assert psutil.Process(supervisor).children()[0].cmdline() == ["sleep", "1000"]
         proc.kill()
         assert proc.wait(timeout=20) == -9
+
+
+def test_the_loader_keeps_replaces_and_leaves_nothing_half_made() -> None:
+    """The loader's own text, run in a real kernel on a spec made here: a kept module is not
+    executed again (its entry is called), one not kept is replaced, and one whose source fails
+    is not left in ``sys.modules``."""
+    from kernelexec._protocol._install import LOADER
+
+    definition = LOADER.rsplit("\n__kx_install(", 1)[0]  # the function, without its call
+    code = (
+        "import sys\n"
+        "space = {}\n"
+        f"exec({definition!r}, space)\n"
+        "kernel = get_ipython().kernel\n"
+        "real = kernel.get_parent\n"
+        "def install(*modules):\n"
+        "    kernel.get_parent = lambda *a: {'metadata': {'k': {'modules': list(modules)}}}\n"
+        "    try:\n"
+        "        space['__kx_install']('k', 'kx-test', '<kernelexec>')\n"
+        "    finally:\n"
+        "        kernel.get_parent = real\n"
+        "install(['kx_kept', 'n = 1\\ndef entry(x): return n + x', True, 'entry', [1]])\n"
+        "install(['kx_kept', 'raise ValueError', True, 'entry', [2]])\n"
+        "kept = sys.modules['kx_kept'].n\n"
+        "install(['kx_kept', 'n = 5', False, None, []])\n"
+        "try:\n"
+        "    install(['kx_bad', 'x = 1\\nraise ValueError(\"boom\")', False, None, []])\n"
+        "except ValueError as exc:\n"
+        "    failed = str(exc)\n"
+        "(kept, sys.modules['kx_kept'].n, 'kx_bad' in sys.modules, failed)"
+    )
+    with kx.KernelExecutor(isolation="none", default_timeout=60) as ex:
+        got = ex.session("loader").run_code(code)
+    assert got.error is None, got.error
+    assert got.result == "(1, 5, False, 'boom')"

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import functools
 import importlib.resources
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kernelexec._protocol import _kernel_loader as kernel_loader
 from kernelexec._protocol import _kernel_side as kernel_side
 
 INSTALL_KEY = "kernelexec_install"
@@ -30,29 +32,13 @@ FILENAME = kernel_side.KERNEL_FILENAME
 """The file name the kernel's tracebacks give for code of a kernel half."""
 
 LOADER = (
-    "def __kx_install():\n"
-    "    import sys, types\n"
-    "    from IPython import get_ipython\n"
-    "    ip = get_ipython()\n"
-    f"    spec = ip.kernel.get_parent()['metadata'][{INSTALL_KEY!r}]\n"
-    "    answers = []\n"
-    "    for name, source, keep, entry, args in spec['modules']:\n"
-    "        mod = sys.modules.get(name)\n"
-    "        if mod is None or not keep:\n"
-    "            mod = sys.modules[name] = types.ModuleType(name)\n"
-    "            try:\n"
-    f"                exec(compile(source, {FILENAME!r}, 'exec'), mod.__dict__)\n"
-    "            except BaseException:\n"
-    "                del sys.modules[name]\n"
-    "                raise\n"
-    "        answers.append(getattr(mod, entry)(*args) if entry else None)\n"
-    f"    ip.payload_manager.write_payload({{'source': {ANSWERS_PAYLOAD!r}, 'answers': answers}})\n"
-    "__kx_install(); del __kx_install\n"
+    inspect.getsource(kernel_loader.__kx_install)
+    + f"__kx_install({INSTALL_KEY!r}, {ANSWERS_PAYLOAD!r}, {FILENAME!r}); del __kx_install\n"
 )
-"""The code of every install request: for each module of the spec in order, a module the kernel
-lacks (or one not ``keep``) is executed from its source as a fresh module under its name, and
-its entry function is called with the spec's arguments (on a kept module too). A module whose
-source fails to execute is not left half-made in ``sys.modules``."""
+"""The code of every install request: :func:`._kernel_loader.__kx_install` and one call of it.
+For each module of the spec in order, a module the kernel lacks (or one not ``keep``) is
+executed from its source as a fresh module under its name, and its entry function is called
+with the spec's arguments (on a kept module too)."""
 
 
 @dataclass(frozen=True, slots=True)
