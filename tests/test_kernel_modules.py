@@ -212,3 +212,29 @@ def test_the_loader_keeps_replaces_and_leaves_nothing_half_made() -> None:
         got = ex.session("loader").run_code(code)
     assert got.error is None, got.error
     assert got.result == "(1, 5, False, 'boom')"
+
+
+def test_every_kernel_half_works_in_a_venv_without_kernelexec(tmp_path: Path) -> None:
+    """A venv's kernel has ipykernel but not kernelexec: the protocol's, code mode's, files'
+    and commands' halves all arrive as text and serve."""
+
+    def answer() -> int:
+        """The answer."""
+        return 42
+
+    with kx.KernelExecutor(
+        cache_dir=tmp_path / "cache", env=kx.VenvEnv(requirements=[]), default_timeout=60
+    ) as ex:
+        s = ex.session("venv")
+        s.expose(answer, module="tools")
+        s.files.write("note.txt", "from the host")
+        done = s.commands.run(["cat", "note.txt"])
+        got = s.run_code(
+            "import importlib.util, sys\n"
+            "from tools import answer\n"
+            "(sys.prefix, importlib.util.find_spec('kernelexec') is None, answer())"
+        )
+    assert done.exit_code == 0 and done.stdout == "from the host"
+    assert got.error is None, got.error
+    prefix, missing, value = ast.literal_eval(got.result or "")
+    assert prefix.startswith(str(tmp_path / "cache")) and missing is True and value == 42
