@@ -10,7 +10,9 @@ Rows, each with its baseline measured in the same run:
 - ``variables``: one ``session.variables()`` on the same 1,000 names (median of 20).
 - ``atomic``: ``run_code("x = 1", atomic=True)`` against the same run without it, on a
   session holding 100 MiB (median of 20 each, interleaved), for a successful run and for a
-  failed one (which is rolled back).
+  failed one (which is rolled back); the first atomic run of the session (at ``"process"`` it
+  first puts the kernel on a branch of itself, see ``docs/state.md``), and one whose kernel
+  dies (``os._exit``; median of 5), rolled back.
 
 Usage: ``.venv/bin/python benchmarks/state.py [--huge-pages]``; writes
 ``benchmarks/results/state.json`` (``state-huge-pages.json`` with ``--huge-pages``: kernels
@@ -83,10 +85,12 @@ async def atomic_row(ex: kx.AsyncKernelExecutor) -> dict[str, object]:
     plain: list[float] = []
     atomic: list[float] = []
     failed: list[float] = []
+    first = await _timed(s.run_code("x = 1", atomic=True))  # puts the kernel on a branch
     for _ in range(20):
         plain.append(await _timed(s.run_code("x = 1")))
         atomic.append(await _timed(s.run_code("x = 1", atomic=True)))
         failed.append(await _timed(s.run_code("x = 2\n1/0", atomic=True)))
+    died = [await _timed(s.run_code("import os\nos._exit(1)", atomic=True)) for _ in range(5)]
     p50 = statistics.median(plain) * 1e3
     return {
         "row": "atomic",
@@ -95,6 +99,8 @@ async def atomic_row(ex: kx.AsyncKernelExecutor) -> dict[str, object]:
         "atomic_ok_ms_p50": round(statistics.median(atomic) * 1e3, 2),
         "atomic_ok_extra_ms": round(statistics.median(atomic) * 1e3 - p50, 2),
         "atomic_rolled_back_ms_p50": round(statistics.median(failed) * 1e3, 2),
+        "first_atomic_ms": round(first * 1e3, 2),
+        "atomic_kernel_died_rolled_back_ms_p50": round(statistics.median(died) * 1e3, 2),
     }
 
 

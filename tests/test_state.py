@@ -4,13 +4,22 @@ listing (bounded whatever the values do), the changes on every result, atomic ru
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 import kernelexec as kx
+from kernelexec._sandbox import _cgroups
+from kernelexec._tempdirs import sweep_stale
 
+from .conftest import wait_exited
 from .test_branching import _OtherBackend
 
 pytestmark = pytest.mark.anyio
@@ -165,18 +174,205 @@ async def test_atomic_run_rolls_back_a_timeout_and_a_tool_call() -> None:
         assert bad.error is not None and bad.error.kind == "invalid_args" and bad.rolled_back
 
 
-async def test_atomic_run_whose_kernel_dies_says_it_was_not_rolled_back() -> None:
-    async with kx.AsyncKernelExecutor(default_timeout=30) as ex:
+def _files(top: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in top.iterdir()}
+
+
+@pytest.mark.parametrize("level", ["process", "none"])
+async def test_an_atomic_run_whose_kernel_dies_is_rolled_back(level: str) -> None:
+    async with kx.AsyncKernelExecutor(default_timeout=30, isolation=level) as ex:
         s = await ex.session("atomic-exit")
+        await s.run_code("data = [1]\nopen('notes.txt', 'w').write('before')")
+        deaths = [
+            "import os\nos._exit(3)",
+            "import ctypes\nctypes.string_at(0)",  # a segfault
+            "import os, signal\nos.kill(os.getpid(), signal.SIGKILL)",
+        ]
+        for n, death in enumerate(deaths):
+            r = await s.run_code(
+                f"data.append({n})\nopen('notes.txt', 'w').write('half')\n"
+                f"open('new{n}.txt', 'w').write('n')\n{death}",
+                atomic=True,
+            )
+            assert r.error is not None and r.error.kind == "kernel_died", r.error
+            assert r.rolled_back and "NOT rolled back" not in r.error.evalue, (n, r.error.evalue)
+            assert r.lost_variables == [] and not r.kernel_restarted
+            assert _files(Path(s.workdir)) == {"notes.txt": "before"}
+            after = await s.run_code(
+                "import os\nprint(os.getcwd(), data, open('notes.txt').read())"
+            )
+            assert after.stdout == f"{s.workdir} [1] before\n", after
+        ok = await s.run_code("data.append(2)", atomic=True)
+        assert ok.ok and not ok.rolled_back
+        shown = await s.run_code("import os\nprint(data, os.getppid())")
+        data, template = shown.stdout.rsplit(" ", 1)
+        assert data == "[1, 2]"
+        left = {int(template), *_session_processes(s)}  # the kernel, what it was forked from
+    for pid in left:
+        assert wait_exited(pid), f"process {pid} outlived its executor"
+
+
+async def test_an_atomic_run_the_oom_killer_ends_is_rolled_back() -> None:
+    async with kx.AsyncKernelExecutor(default_timeout=60, limits=kx.Limits(memory_mb=300)) as ex:
+        s = await ex.session("atomic-oom")
+        await s.run_code("data = [1]\nbig = bytearray(100 << 20)")
+        # Writing the pages the way back shares, then past the limit.
+        r = await s.run_code(
+            "data.append(2)\nbig[:] = b'x' * len(big)\nhog = []\n"
+            "while True:\n    hog.append(bytearray(20 << 20))",
+            atomic=True,
+        )
+        assert r.error is not None and r.rolled_back, r.error
+        assert r.error.kind in ("limit_exceeded", "error")  # "error": MemoryError, no cgroups
+        back = await s.run_code("print(data, bytes(big[:2]), 'hog' in globals())")
+        assert back.stdout == "[1] b'\\x00\\x00' False\n"
+
+
+SHOW_TEMPLATE = (
+    "import os, time\n"
+    "data.append(2)\n"
+    "kids = [k for t in os.listdir('/proc/self/task')\n"
+    "        for k in open(f'/proc/self/task/{t}/children').read().split()]\n"
+    "print(os.getpid(), *kids, flush=True)\n"
+    "time.sleep(60)\n"
+)
+
+
+async def test_an_atomic_run_that_kills_its_way_back_says_it_was_not_rolled_back() -> None:
+    async with kx.AsyncKernelExecutor(default_timeout=30) as ex:
+        s = await ex.session("atomic-spoil")
         await s.run_code("data = [1]")
-        r = await s.run_code("data.append(2)\nimport os\nos._exit(3)", atomic=True)
-        assert r.error is not None and r.error.kind == "kernel_died"
-        assert not r.rolled_back
-        assert "NOT rolled back: the snapshot ended with the kernel" in r.error.evalue
+        r = await s.run_code(
+            SHOW_TEMPLATE.replace("time.sleep(60)", "os.kill(int(kids[0]), 9)\nos._exit(1)"),
+            atomic=True,
+        )
+        assert r.error is not None and not r.rolled_back
+        assert r.error.evalue.endswith(
+            "[kernelexec: this atomic run was NOT rolled back: the snapshot's process was killed]"
+        )
         assert r.lost_variables == ["data"]
-        # The fresh kernel works in the session's directory.
         after = await s.run_code("import os\nprint(os.getcwd(), globals().get('data'))")
-        assert after.stdout == f"{s.workdir} None\n", after
+        assert after.stdout == f"{s.workdir} None\n", after  # a fresh kernel, in its directory
+
+
+async def test_a_kernel_running_threads_keeps_them_and_says_a_death_was_not_rolled_back() -> None:
+    async with kx.AsyncKernelExecutor(default_timeout=30) as ex:
+        s = await ex.session("atomic-threads")
+        await s.run_code(
+            "import threading\ndata = [1]\nticks = []\nstop = threading.Event()\n"
+            "threading.Thread(target=lambda: [ticks.append(1) for _ in iter(lambda: "
+            "stop.wait(0.01), True)], daemon=True, name='ticker').start()"
+        )
+        ok = await s.run_code("data.append(2)", atomic=True)
+        assert ok.ok and ok.stderr == ""  # no "threads do not run here" warning: not moved
+        alive = await s.run_code("n = len(ticks)\nstop.wait(0.2)\nprint(len(ticks) > n)")
+        assert alive.stdout == "True\n"  # the user's thread still runs
+        died = await s.run_code("data.append(3)\nimport os\nos._exit(1)", atomic=True)
+        assert died.error is not None and died.error.kind == "kernel_died"
+        if s.isolation.level == "process":
+            assert not died.rolled_back and died.lost_variables
+            assert "NOT rolled back: the snapshot ended with the kernel" in died.error.evalue
+        else:
+            assert died.rolled_back
+
+
+def _same_confinement(a: int, b: int) -> bool:
+    """Whether processes ``a`` and ``b`` run as one user, in one cgroup, with one set of
+    limits."""
+    seen = []
+    for pid in (a, b):
+        proc = psutil.Process(pid)
+        seen.append(
+            (
+                proc.uids(),
+                Path(f"/proc/{pid}/cgroup").read_text(),
+                Path(f"/proc/{pid}/limits").read_text(),
+            )
+        )
+    return seen[0] == seen[1]
+
+
+@pytest.mark.parametrize("level", ["process", "none"])
+async def test_an_atomic_run_killed_from_outside_is_rolled_back_and_its_session_leaves_nothing(
+    level: str,
+) -> None:
+    limits = kx.Limits(memory_mb=512) if level == "process" else None
+    async with kx.AsyncKernelExecutor(default_timeout=30, isolation=level, limits=limits) as ex:
+        s = await ex.session("atomic-kill")
+        await s.run_code("data = [1]")
+        printed: asyncio.Queue[str] = asyncio.Queue()
+        run = asyncio.create_task(
+            s.run_code(SHOW_TEMPLATE, atomic=True, on_stdout=printed.put_nowait)
+        )
+        kernel, template = (int(p) for p in (await printed.get()).split())
+        # The way back runs as the kernel runs: its user, its cgroup, its limits.
+        assert psutil.Process(template).name() == "kx-template"
+        assert _same_confinement(kernel, template)
+        os.kill(kernel, signal.SIGKILL)
+        r = await run
+        assert r.error is not None and r.error.kind == "kernel_died" and r.rolled_back
+        assert r.lost_variables == []
+        back = await s.run_code("import os\nprint(data, os.getppid())")
+        assert back.stdout == f"[1] {template}\n"  # the restored kernel is a fork of the way back
+        # Everything the session runs now: its kernel, the way back, what they were forked from.
+        left = {template, *_session_processes(s)}
+        await s.aclose()
+        for pid in left:
+            assert wait_exited(pid), f"process {pid} outlived its session"
+        assert ex.kernel_count == 0
+
+
+def _session_processes(s: kx.AsyncSession) -> set[int]:
+    """The processes that run as the session's kernel's user (at \"none\": its kernel)."""
+    conn = s.lease.connection
+    assert conn is not None
+    pid = conn.kernel_pid()
+    assert pid is not None
+    uid = psutil.Process(pid).uids().real
+    if uid == os.geteuid():
+        return {pid}
+    return {p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"].real == uid}
+
+
+HOST = """
+import sys, kernelexec as kx
+ex = kx.KernelExecutor(isolation=sys.argv[1], default_timeout=30)
+s = ex.session("h")
+s.run_code("data = [1]")
+r = s.run_code("import os\\nos._exit(1)", atomic=True)
+assert r.rolled_back, r.error
+shown = s.run_code("import os\\nprint(os.getpid(), os.getppid(), os.getuid(), data)")
+print(shown.stdout, flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["process", "none"])
+def test_the_way_back_of_a_dead_kernel_dies_with_a_sigkilled_host(level: str) -> None:
+    tmp = tempfile.gettempdir()
+    host = subprocess.Popen(
+        [sys.executable, "-c", HOST, level],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "TMPDIR": tmp},
+    )
+    assert host.stdin is not None and host.stdout is not None
+    kernel, template, uid, data = host.stdout.readline().split(" ", 3)
+    assert data == "[1]\n"
+    assert psutil.Process(int(template)).name() == "kx-template"
+    left = {int(kernel), int(template)}
+    if int(uid) != os.geteuid():  # and what the kernel was forked from (the same user)
+        left |= {p.pid for p in psutil.process_iter(["uids"]) if p.info["uids"].real == int(uid)}
+    host.kill()
+    host.wait()
+    host.stdout.close()
+    host.stdin.close()
+    for pid in left:
+        assert wait_exited(pid), f"process {pid} outlived its host"
+    sweep_stale(tmp)  # what the dead host could not remove (its directories, cgroups)
+    _cgroups.sweep_stale()
 
 
 async def test_atomic_is_refused_before_anything_runs_where_snapshots_are_not_offered(
@@ -304,11 +500,15 @@ def test_a_recorded_rolled_back_step_replays_as_it_happened(tmp_path: Path) -> N
         s.run_code("data = [1]")
         undone = s.run_code("data.append(2)\nraise ValueError('no')", atomic=True)
         assert undone.rolled_back
+        died = s.run_code("data.append(3)\nimport os\nos._exit(1)", atomic=True)
+        assert died.rolled_back
         assert s.run_code("print(data)").stdout == "[1]\n"
     nb = nbformat.read(tmp_path / "rec.ipynb", as_version=4)
     meta = [c.metadata["kernelexec"] for c in nb.cells]
-    assert meta[1]["rolled_back"] is True
-    assert not meta[2]["fresh_kernel"]  # the restored kernel continues the recorded one
+    assert meta[1]["rolled_back"] is True and meta[2]["rolled_back"] is True
+    # The kernel put on a branch of itself for the first atomic run, and the restored ones,
+    # continue the recorded one (replay restarts nothing).
+    assert [m["fresh_kernel"] for m in meta] == [True, False, False, False]
     report = kx.replay(tmp_path / "rec.ipynb")
     assert report.ok, report.differences
-    assert report.cells_run == 3
+    assert report.cells_run == 4

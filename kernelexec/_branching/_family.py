@@ -2,8 +2,9 @@
 keeps a process alive while processes forked from it live.
 
 A branch is a descendant of the kernel it was forked from (kernel -> template -> branch), and
-a process's end ends its descendants (``PR_SET_PDEATHSIG``; at ``"process"`` the kernel's
-launcher also kills every descendant). So a kernel whose session closes, or whose session gets
+a branch dies with its template (``PR_SET_PDEATHSIG``; a template lives on the host's
+connection, and at ``"process"`` the kernel's launcher kills every descendant when its own
+kernel ends). So a kernel whose session closes, or whose session gets
 another kernel, while branches of it live is not shut down but *kept*: it stays, idle and
 unreachable, and is shut down with its last branch; a closed snapshot whose branches live is
 kept the same way. Kept processes do not count against ``max_kernels``. The executor's close
@@ -70,6 +71,9 @@ class AsyncSnapshot:
         """A copy of the session's working directory at the snapshot (host filesystem)."""
         self.setup_ran = False
         """Whether the session's ``setup_code`` had run in the kernel at the snapshot."""
+        self.outlives_kernel = False
+        """Whether it outlives the kernel it was taken of (not a launcher's own kernel at
+        ``"process"``, whose end ends every descendant)."""
 
     @property
     def closed(self) -> bool:
@@ -156,6 +160,11 @@ class Brancher:
                 forked.fork_s,
                 listener=forked.kernel,
             )
+            try:
+                await template.ready(self._timeout)
+            except BaseException:
+                template.close()
+                raise
         except BaseException:
             await asyncio.to_thread(_remove, tdir)
             raise

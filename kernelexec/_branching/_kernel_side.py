@@ -16,9 +16,11 @@ name: another kernel may lack them). Three processes take part:
 * each **branch** (C), a fork of T, gets a new event loop, zmq context, sockets, threads,
   session key and output streams around the same IPython shell, and runs as a kernel.
 
-Lifetimes: T and C die with their parent (``PR_SET_PDEATHSIG``); the host keeps a parent alive
-while it has branches. Every process is made non-dumpable, so a branch (same uid as its
-parent at ``"process"``) cannot read another's memory through ``/proc`` or ``ptrace``.
+Lifetimes: C dies with T (``PR_SET_PDEATHSIG``), T with K until the host has connected to it,
+then with the host's connection (closed when the host frees the snapshot or dies): T outlives
+a K that dies. The host keeps a parent alive while it has branches. Every process is made
+non-dumpable, so a branch (same uid as its parent at ``"process"``) cannot read another's
+memory through ``/proc`` or ``ptrace``.
 """
 
 from __future__ import annotations
@@ -44,6 +46,9 @@ REQUEST = "kernelexec_branch_request"
 """The shell message that asks a live kernel to fork a template."""
 
 REPLY = "kernelexec_branch_reply"
+
+READY = b"ready"
+"""A template's first message to the host: it no longer dies with its kernel."""
 
 HELPER_MODULE = "__kernelexec__"
 """kernelexec's main kernel-side helper: its hooks are removed in a branch before the host
@@ -152,13 +157,6 @@ def _template(listener: socket.socket, cfg: dict[str, Any], parent: int) -> None
         signal.signal(signal.SIGTERM, signal.SIG_DFL)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
         signal.set_wakeup_fd(-1)
-        _forget_kernel(cfg)
-        _close_inherited(keep={listener.fileno()})
-        null = os.open(os.devnull, os.O_RDWR)
-        for fd in (0, 1, 2):
-            os.dup2(null, fd)
-        os.close(null)
-        gc.freeze()  # a collection would touch every object's header: pages stay shared
         while True:  # only the host may take the template (another user's process may try)
             chan, _ = listener.accept()
             cred = chan.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
@@ -166,6 +164,18 @@ def _template(listener: socket.socket, cfg: dict[str, Any], parent: int) -> None
                 break
             chan.close()
         listener.close()
+        # From here the host's connection is the template's lifeline (_serve ends when the
+        # host closes it or dies), not its kernel: the way back of an atomic run whose kernel
+        # dies. The host waits for READY before it lets the kernel run anything.
+        _libc.prctl(_PR_SET_PDEATHSIG, 0, 0, 0, 0)
+        chan.send(READY)
+        _forget_kernel(cfg)
+        _close_inherited(keep={chan.fileno()})
+        null = os.open(os.devnull, os.O_RDWR)
+        for fd in (0, 1, 2):
+            os.dup2(null, fd)
+        os.close(null)
+        gc.freeze()  # a collection would touch every object's header: pages stay shared
         _serve(chan, cfg)
         code = 0
     except BaseException:

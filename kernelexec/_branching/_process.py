@@ -7,6 +7,7 @@ See :mod:`kernelexec._branching._kernel_side` for what each process does.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -164,6 +165,26 @@ class Template:
             self._close_pidfd()
             raise BranchError(problem)
         self._chan: socket.socket | None = chan
+
+    async def ready(self, timeout: float) -> None:
+        """Wait for the template to say it no longer dies with its kernel
+        (:data:`~kernelexec._branching._kernel_side.READY`): from then on the kernel may die.
+
+        Raises:
+            BranchError: it ended first, or did not say so within ``timeout`` seconds.
+        """
+        chan = self._chan
+        if chan is None:
+            raise BranchError("the snapshot is closed")
+        chan.setblocking(False)
+        try:
+            said = await asyncio.wait_for(asyncio.get_running_loop().sock_recv(chan, 64), timeout)
+        except (OSError, asyncio.TimeoutError) as exc:
+            raise BranchError(f"the template did not start: {exc!r}") from None
+        finally:
+            chan.setblocking(True)
+        if said != kernel_side.READY:
+            raise BranchError("the template ended before it was ready")
 
     def alive(self) -> bool:
         """Whether the template still runs."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from kernelexec import _trees
 from kernelexec._aio import finish_shielded
+from kernelexec._branching._connection import BranchConnection
 from kernelexec._branching._family import AsyncSnapshot, Brancher
 from kernelexec._core._budget import KernelBudget
 from kernelexec._core._results import Ran
@@ -39,6 +40,7 @@ from kernelexec._protocol._host import ExecuteRequest
 from kernelexec._sandbox._users import LAYERS
 from kernelexec._tempdirs import make_owned_dir
 from kernelexec.backends._base import KernelConnection
+from kernelexec.backends._local import LocalConnection
 
 if TYPE_CHECKING:
     from kernelexec._core._session import AsyncSession
@@ -122,6 +124,7 @@ class SessionBranches:
         template = await self.brancher.snapshot(conn, session.agent_id)
         snap = AsyncSnapshot(self.brancher, template, session.agent_id, session.lease.names)
         snap.setup_ran = session.setup_current
+        snap.outlives_kernel = _outlived_by_forks(conn)
         if isinstance(session.workdir, Path):
             files = make_owned_dir("kx-")
             template.extra_dirs.append(files)
@@ -173,8 +176,30 @@ class SessionBranches:
             )
 
     async def before_atomic(self, session: AsyncSession) -> AsyncSnapshot:
-        """The snapshot an atomic run of ``session`` (held by the caller) can go back to."""
+        """The snapshot an atomic run of ``session`` (held by the caller) can go back to,
+        even if the run ends its kernel: a kernel whose end would end the snapshot too is
+        first put on a branch of itself (:meth:`_rebase`)."""
+        conn = await self._kernel(session)
+        if not _outlived_by_forks(conn):
+            await self._rebase(session, conn)
         return await self.snapshot(session)
+
+    async def _rebase(self, session: AsyncSession, conn: KernelConnection) -> None:
+        """Put a branch of ``session``'s kernel ``conn`` in its place: the same state, but a
+        kernel whose death ends none of its forks (``conn`` is kept, idle, for the branch).
+        Not where the kernel runs threads of the user's: a fork has none, and a successful
+        run must not lose them."""
+        self.brancher.check(conn, session.isolation.level, self._backend)
+        template = await self.brancher.snapshot(conn, session.agent_id)
+        snap = AsyncSnapshot(self.brancher, template, session.agent_id, ())
+        try:
+            if template.threads:
+                return
+            branch = (await self._branches_of(snap, session.agent_id, 1))[0]
+        finally:
+            await finish_shielded(snap.aclose())  # kept while the branch lives
+        await session.lease.swap(branch, session.lease.names, same=True)
+        log.info("agent %r: kernel put on a branch of itself for atomic runs", session.agent_id)
 
     async def after_atomic(self, session: AsyncSession, snap: AsyncSnapshot, ran: Ran) -> Ran:
         """End an atomic run: a failed one is rolled back to ``snap`` (the kernel put back,
@@ -194,15 +219,20 @@ class SessionBranches:
         was, else why it could not be."""
         try:
             if not snap.template.alive():
-                # The snapshot is a fork of the kernel and dies with it (PR_SET_PDEATHSIG,
-                # the launcher's reaping): a kernel that died took the way back with it.
+                # Killed (by its user, the OOM killer), or ended with a kernel it could not
+                # outlive (before_atomic).
                 await finish_shielded(snap.aclose())
                 # Freeing it shut the dead kernel down for good, which handed the working
                 # directory back from its user: give it to the kernel that replaced it.
                 conn = session.lease.connection
                 if conn is not None and isinstance(session.workdir, Path):
                     await conn.enter_workdir(str(session.workdir))
-                return "the snapshot ended with the kernel"
+                if not snap.outlives_kernel:
+                    return (
+                        "the snapshot ended with the kernel (the kernel runs threads of its "
+                        "own, so the session was not moved to a branch, which would not have them)"
+                    )
+                return "the snapshot's process was killed"
             try:
                 await self.restore(session, snap)
             except (BranchError, KernelStartError, TreeLimitError) as exc:
@@ -249,6 +279,15 @@ class SessionBranches:
                     await shutdown_fully(conn)
             raise
         return made
+
+
+def _outlived_by_forks(conn: KernelConnection) -> bool:
+    """Whether a fork of ``conn``'s kernel outlives that kernel: not where the kernel is a
+    launcher's own (isolation ``"process"``: the launcher kills every descendant when its
+    kernel ends); a branch's launcher is its family's first kernel's."""
+    if isinstance(conn, BranchConnection) and conn.launched_by == "branch":
+        return True
+    return not (isinstance(conn, LocalConnection) and conn.tenant().plan is not None)
 
 
 def _not_rolled_back(ran: Ran, why: str) -> Ran:

@@ -128,13 +128,17 @@ class KernelLease:
         if self.on_attached is not None:
             self.on_attached()
 
-    async def swap(self, conn: KernelConnection, names: tuple[str, ...]) -> None:
-        """Put ``conn`` (a restored snapshot, holding ``names``) in place of the kernel."""
+    async def swap(
+        self, conn: KernelConnection, names: tuple[str, ...], *, same: bool = False
+    ) -> None:
+        """Put ``conn`` (a restored snapshot, holding ``names``) in place of the kernel;
+        ``same``: ``conn`` is a fork of the kernel made between two runs, which it continues
+        (its number stays: recordings, ``setup_code`` and installed helpers carry over)."""
         if self._pool is None:
             self._pool = await self._get_pool()
         old, self._conn = self._conn, conn
         await self._pool.exchange(old, conn)
-        await self._attached(branched=True)
+        await self._attached(branched=True, same=same)
         self._names = names
         if old is None and self.on_attached is not None:
             self.on_attached()
@@ -346,10 +350,11 @@ class KernelLease:
         if conn is not None and self._pool is not None:
             await self._pool.discard(conn)
 
-    async def _attached(self, branched: bool = False) -> list[str]:
+    async def _attached(self, branched: bool = False, same: bool = False) -> list[str]:
         """Set a fresh kernel up; return the names a restore did not bring back. A
         ``branched`` kernel (a fork, a restored snapshot) holds its state already: nothing is
-        restored into it, and a saved checkpoint of this session is stale."""
+        restored into it, and a saved checkpoint of this session is stale; one that is the
+        ``same`` as the kernel it replaces (see :meth:`swap`) only enters its directories."""
         assert self._conn is not None
         await self._conn.enter_workdir(self._workdir)
         for path, loan in list(self._lent.items()):
@@ -359,6 +364,9 @@ class KernelLease:
                 # The fresh kernel works without it; the next lend() of it says why it fails.
                 log.warning("%r: %s; not lent again", self.agent_id, untrusted(exc))
                 del self._lent[path]
+        if same:
+            self._tell(self._conn)
+            return []
         self.generation += 1
         self._names = ()
         self._fresh = True

@@ -259,9 +259,8 @@ class AsyncSession:
             atomic: All or nothing: the session is snapshotted first, and if the run ends in
                 an error (an exception, a timeout) its variables and working-directory
                 files are put back as they were, with ``rolled_back=True`` on the result
-                (also when the caller cancels it or an output callback raises). A
-                run that kills its kernel takes the snapshot with it: its error then says it
-                was not rolled back. Effects outside the session (network, host calls) are
+                (also when the caller cancels it or an output callback raises, or the run
+                kills its kernel). Effects outside the session (network, host calls) are
                 not undone.
 
         Raises:
