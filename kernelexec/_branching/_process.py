@@ -22,8 +22,8 @@ from kernelexec import _trees
 from kernelexec._branching import _kernel_side as kernel_side
 from kernelexec._exceptions import BranchError
 from kernelexec._protocol._install import KernelModule, install_request
-from kernelexec.backends import _ask
-from kernelexec.backends._base import KernelConnection
+from kernelexec.backends._base import KernelConnection, Stalled
+from kernelexec.backends._base import ask as ask_kernel
 from kernelexec.backends._forkserver import ForkedProcess
 from kernelexec.backends._local import KernelTenant
 
@@ -39,15 +39,16 @@ async def ask(
     timeout: float,
     metadata: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Send one shell request and return its reply's content (:func:`kernelexec.backends._ask.ask`).
+    """Send one shell request and return its reply's content (through
+    :func:`kernelexec.backends._base.ask`).
 
     Raises:
         BranchError: the kernel died or did not answer within ``timeout`` seconds.
     """
-    got = await _ask.ask(
+    got = await ask_kernel(
         conn, msg_type, content, reply_type=reply_type, timeout=timeout, metadata=metadata
     )
-    if isinstance(got, _ask.Stalled):
+    if isinstance(got, Stalled):
         if got.died is not None:
             raise BranchError(f"the kernel died while forking ({got.died.reason})")
         raise BranchError(f"the kernel did not answer a {msg_type} in {timeout:g} s")

@@ -3,7 +3,7 @@ request and its reply, and the reply's errors as exceptions.
 
 Its counterpart runs inside the kernel (``_kernel_files.py`` and ``_kernel_commands.py``,
 kernel modules installed on a kernel's first file operation); the constants both halves need
-are defined there and imported here. A request is asked with :mod:`kernelexec.backends._ask`.
+are defined there and imported here. A request is asked with :func:`kernelexec.backends._base.ask`.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from kernelexec._files import _kernel_supervisor as kernel_supervisor
 from kernelexec._protocol import _install
 from kernelexec._protocol._install import ExecuteRequest, KernelModule
 from kernelexec._public import public
-from kernelexec.backends._ask import Stalled as Stalled
-from kernelexec.backends._ask import ask
-from kernelexec.backends._ask import wait_reply as wait_reply
+from kernelexec.backends._base import Stalled as Stalled
+from kernelexec.backends._base import ask
+from kernelexec.backends._base import wait_reply as wait_reply
 
 FILES_REQUEST = kernel_files.FILES_REQUEST
 FILES_REPLY = kernel_files.FILES_REPLY
@@ -103,7 +103,7 @@ COMMANDS_MODULE = KernelModule(kernel_commands.MODULE_NAME, kernel_commands.__na
 
 
 exchange = ask
-"""One files or commands request and its reply (:func:`kernelexec.backends._ask.ask`)."""
+"""One files or commands request and its reply (:func:`kernelexec.backends._base.ask`)."""
 
 
 SUPERVISOR = KernelModule("__main__", kernel_supervisor.__name__, entry=None)
