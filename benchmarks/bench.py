@@ -229,7 +229,7 @@ async def bare_client(shell_only: bool) -> AsyncIterator[Callable[[], Awaitable[
     """
     from jupyter_client.manager import AsyncKernelManager
 
-    from kernelexec.backends._local import _KERNEL_FLAGS
+    from kernelexec.backends._local_process import KERNEL_FLAGS as _KERNEL_FLAGS
 
     sockdir = tempfile.mkdtemp(prefix="kxfloor-")
     km = AsyncKernelManager(
@@ -276,7 +276,7 @@ async def nbclient_peer() -> AsyncIterator[Callable[[], Awaitable[None]]]:
     import nbformat
     from nbclient import NotebookClient
 
-    from kernelexec.backends._local import _KERNEL_FLAGS
+    from kernelexec.backends._local_process import KERNEL_FLAGS as _KERNEL_FLAGS
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(ADD_SOURCE), nbformat.v4.new_code_cell("add(1, 2)")]

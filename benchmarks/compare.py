@@ -1,8 +1,11 @@
-"""Warm calls of this tree against another checkout of kernelexec, in one run.
+"""Warm calls, cold starts and an idle kernel's memory of this tree against another checkout of
+kernelexec, in one run.
 
-For a change that must not make calls slower (a refactor): each round starts one host process
-per tree (``PYTHONPATH`` set to the tree), which times warm ``call_tool`` and ``run_code`` calls
-on one session; the trees take turns, so the machine's noise falls on both. Prints a table of
+For a change that must not make calls slower (a refactor), or that should make a kernel start
+faster or cost less: each round starts one host process per tree (``PYTHONPATH`` set to the
+tree), which times warm ``call_tool`` and ``run_code`` calls on one session, then the first call
+of ``--cold`` new sessions (no prewarm: a kernel forked from the running fork server) and each
+one's PSS once idle; the trees take turns, so the machine's noise falls on both. Prints a table of
 the medians over rounds and the ratio this tree / base, and writes JSON.
 
     git worktree add /tmp/base <rev>
@@ -24,6 +27,7 @@ ROOT = HERE.parent
 
 PROBE = r"""
 import json, statistics, sys, time
+import psutil
 import kernelexec as kx
 
 ADD = 'def add(a: int, b: int) -> int:\n    "Add two numbers."\n    return a + b\n'
@@ -45,14 +49,31 @@ with kx.KernelExecutor() as ex:
             fn()
             times.append(time.perf_counter() - t0)
         out[name] = statistics.median(times) * 1000
+    # A new session's first call without prewarm (its kernel forked from the running fork
+    # server), and what that kernel costs idle.
+    times, cpu, pss = [], [], []
+    for i in range(int(sys.argv[2])):
+        t0 = time.perf_counter()
+        s = ex.session(f"cold-{i}")
+        s.call_tool(tool, {"a": 1, "b": 2})
+        times.append(time.perf_counter() - t0)
+        kernel = psutil.Process(int(s.run_code("import os; os.getpid()").result))
+        used = kernel.cpu_times()
+        cpu.append(used.user + used.system)  # the start, less noisy under load than its time
+        time.sleep(0.3)
+        pss.append(kernel.memory_full_info().pss / 2**20)
+        s.close()
+    out["cold_start"] = statistics.median(times) * 1000
+    out["cold_start_kernel_cpu"] = statistics.median(cpu) * 1000
+    out["idle_kernel_pss_mib"] = statistics.median(pss)
 print(json.dumps(out))
 """
 
 
-def measure(tree: Path, calls: int) -> dict[str, float]:
+def measure(tree: Path, calls: int, cold: int) -> dict[str, float]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     done = subprocess.run(
-        [sys.executable, "-c", PROBE, str(calls)],
+        [sys.executable, "-c", PROBE, str(calls), str(cold)],
         capture_output=True,
         text=True,
         env=env,
@@ -70,6 +91,7 @@ def main() -> None:
     parser.add_argument("--base", type=Path, required=True, help="a checkout to compare with")
     parser.add_argument("--rounds", type=int, default=6)
     parser.add_argument("--calls", type=int, default=400, help="timed calls per row and round")
+    parser.add_argument("--cold", type=int, default=5, help="new sessions per round")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "compare.json")
     args = parser.parse_args()
     trees = {"base": args.base.resolve(), "this tree": ROOT}
@@ -77,7 +99,7 @@ def main() -> None:
     for r in range(args.rounds):
         order = list(trees.items()) if r % 2 == 0 else list(reversed(trees.items()))
         for label, tree in order:
-            for row, ms in measure(tree, args.calls).items():
+            for row, ms in measure(tree, args.calls, args.cold).items():
                 samples[label].setdefault(row, []).append(ms)
         print(f"round {r + 1}/{args.rounds} done", file=sys.stderr)
     rows = sorted(samples["base"])
@@ -88,7 +110,7 @@ def main() -> None:
         }
         for row in rows
     }
-    print("| warm call, median of round medians | base ms | this tree ms | this / base |")
+    print("| row (median of round medians; ms, PSS in MiB) | base | this tree | this / base |")
     print("|---|---|---|---|")
     for row, v in table.items():
         v["ratio"] = v["this_ms"] / v["base_ms"]

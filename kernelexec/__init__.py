@@ -18,6 +18,7 @@ if _typing.TYPE_CHECKING:
     from kernelexec._envs._builder import BuiltEnv, EnvBuilder, EnvProgress
     from kernelexec._envs._envs import LocalEnv, VenvEnv
     from kernelexec._exceptions import (
+        AgentBusyError,
         BackgroundTaskError,
         BranchError,
         BranchingNotSupportedError,
@@ -79,6 +80,7 @@ if _typing.TYPE_CHECKING:
 # `kernelexec --help` or `import kernelexec` does not pay for the whole library (1.4 s).
 _EXPORTS: dict[str, str] = {
     "areplay": "kernelexec._replay",
+    "AgentBusyError": "kernelexec._exceptions",
     "AsyncKernelExecutor": "kernelexec._core._executor",
     "AsyncSession": "kernelexec._core._session",
     "AsyncSessionCommands": "kernelexec._files._commands",
@@ -181,6 +183,7 @@ def unload_ipython_extension(ipython: object) -> None:
 
 
 __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
+    "AgentBusyError",
     "AsyncKernelExecutor",
     "AsyncSession",
     "AsyncSessionCommands",

@@ -104,14 +104,18 @@ class ExecutorConfig(BaseModel):
         state_dir: Make sessions durable: a session whose kernel is taken away (``max_kernels``,
             ``idle_timeout``, close) is hibernated here first and restored into a fresh kernel
             on its next call; a new executor on the same directory resumes each agent by its
-            id. Private to this user (0700); one executor at a time. Loading a checkpoint runs
-            code (as unpickling does): never share it with untrusted writers. See
-            ``docs/durable.md``.
+            id. Private to this user (0700); several executors (processes, hosts on a shared
+            filesystem) may use one: an agent lives in one of them at a time and moves on
+            request (``handoff_timeout``). Loading a checkpoint runs code (as unpickling
+            does): never share it with untrusted writers. See ``docs/durable.md``.
         checkpoint: When a durable session saves: ``"on_evict"`` (when its kernel goes) or
             ``"after_call"`` (also after every call that changed something, so a killed host
             keeps every completed call's state).
         max_checkpoint_bytes: Largest checkpoint of one session (its working directory's files
             included).
+        handoff_timeout: Seconds ``session(agent_id)`` waits for another executor on the
+            ``state_dir`` to hand over an agent it holds (hibernated when its current call
+            ends) before raising :class:`~kernelexec.AgentBusyError`.
         setup_code: Code run in every session's fresh kernel (at its start and after every
             restart, crash or eviction) before the session's next call, so helpers and tools
             it defines are always there; a failure is the call's result
@@ -149,6 +153,7 @@ class ExecutorConfig(BaseModel):
     state_dir: Path | None = None
     checkpoint: Literal["on_evict", "after_call"] = "on_evict"
     max_checkpoint_bytes: int = Field(8 << 30, ge=1)
+    handoff_timeout: float = Field(30.0, gt=0)
     setup_code: str | None = None
 
     @field_validator(
@@ -157,6 +162,7 @@ class ExecutorConfig(BaseModel):
         "output_grace",
         "start_timeout",
         "idle_timeout",
+        "handoff_timeout",
         mode="before",
     )
     @classmethod
@@ -235,6 +241,7 @@ class ExecutorOptions(TypedDict, total=False):
     state_dir: str | os.PathLike[str] | None
     checkpoint: Literal["on_evict", "after_call"]
     max_checkpoint_bytes: int
+    handoff_timeout: float
     setup_code: str | None
 
 

@@ -17,7 +17,8 @@ mean misuse of the API or a broken environment::
     ├── BranchError (RuntimeError)            a fork, snapshot or restore failed
     ├── BranchingNotSupportedError (NotImplementedError)  this backend or level cannot fork
     ├── StateError (RuntimeError)             a session's state could not be saved or restored
-    │   └── CheckpointTooLargeError           ... it passes max_checkpoint_bytes
+    │   ├── CheckpointTooLargeError           ... it passes max_checkpoint_bytes
+    │   └── AgentBusyError                    ... another executor holds the agent
     ├── SetupCodeError (RuntimeError)         a session's setup_code failed (raised by hand)
     ├── PathRefusedError (ValueError)         a session file path leaves its working directory
     ├── FileTransferError (RuntimeError)      a file operation could not be carried out
@@ -126,6 +127,12 @@ class StateError(KernelExecError, RuntimeError):
 
 class CheckpointTooLargeError(StateError):
     """A checkpoint would pass ``max_checkpoint_bytes``; the message names the biggest names."""
+
+
+class AgentBusyError(StateError):
+    """Another executor on the ``state_dir`` holds the agent and did not hand it over within
+    ``handoff_timeout``, or refused to; the message names its process id and host, and its
+    reason when it gave one."""
 
 
 class SetupCodeError(KernelExecError, RuntimeError):

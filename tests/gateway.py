@@ -26,7 +26,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
-from kernelexec.backends._local import _KERNEL_FLAGS, _LEAN_LAUNCHER
+from kernelexec.backends._local_process import KERNEL_FLAGS as _KERNEL_FLAGS
+from kernelexec.backends._local_process import LEAN_LAUNCHER as _LEAN_LAUNCHER
 
 SECRET = "GW_TEST_SECRET"
 """A variable set in the gateway's own environment; no kernel may see it."""

@@ -160,6 +160,31 @@ async def test_snapshot_and_restore_undo_any_number_of_times() -> None:
             await other.restore(await s.snapshot())
 
 
+async def test_a_dead_kernels_closed_snapshot_leaves_the_directory_to_its_successor() -> None:
+    # The kernel a snapshot was taken of dies (the snapshot with it) and the session's next
+    # kernel takes the working directory; the dead kernel is kept for the snapshot until it is
+    # closed. Shutting it down then must not give the directory back from under its successor
+    # (by default a capped tmpfs, copied to the disk and unmounted: the successor would write
+    # where the host no longer looks).
+    async with kx.AsyncKernelExecutor(default_timeout=60) as ex:
+        s = await ex.session("successor")
+        await out(s, "x = 1")
+        snap = await s.snapshot()
+        died = await s.run_code("import os\nos._exit(3)")
+        assert died.error is not None and died.error.kind == "kernel_died"
+        await out(s, "open('before.txt', 'w').write('mine')")
+        with pytest.raises(kx.BranchError, match="closed or its process is gone"):
+            await s.restore(snap)  # it ended with its kernel
+        await snap.aclose()  # the dead kernel, kept for it until now, is shut down
+        seen = await out(
+            s, "open('after.txt', 'w').write('still mine')\nprint(open('before.txt').read())"
+        )
+        assert seen == "mine\n"
+        assert Path(s.workdir, "after.txt").read_text() == "still mine"  # noqa: ASYNC240
+        owner = json.loads(await out(s, "import os\nprint(os.getuid())"))
+        assert os.stat(s.workdir).st_uid == owner
+
+
 async def test_setup_code_is_not_run_again_over_a_fork_or_a_restore() -> None:
     async with kx.AsyncKernelExecutor(setup_code="runs = globals().get('runs', 0) + 1") as ex:
         s = await ex.session("setup", setup_code="mine = 1")
@@ -198,7 +223,7 @@ async def test_parent_close_leaves_children_and_close_frees_everything() -> None
         pids = family(parent_pid) | family(kernel_pid(child)) | {snap.template.pid}
         child_conn = child.lease.connection
         assert isinstance(child_conn, LocalConnection)
-        dirs = [child_conn.tenant().kdir, snap.template.tdir, *snap.template.extra_dirs]
+        dirs = [child_conn.family().directory, snap.template.tdir, *snap.template.extra_dirs]
         await parent.aclose()
         assert psutil.pid_exists(parent_pid)  # kept: its branch lives
         assert await out(child, "print(x)") == "kept\n"
@@ -223,8 +248,12 @@ async def test_close_frees_processes_dirs_and_cgroups() -> None:
             conn = child.lease.connection
             assert isinstance(conn, LocalConnection)
             pids |= family(kernel_pid(child))
-            dirs += [conn.tenant().kdir, str(child.workdir)]
-            groups |= {str(p) for p in conn._cgroup.paths} if conn._cgroup else set()
+            dirs += [conn.family().directory, str(child.workdir)]
+            groups |= (
+                {str(p) for p in conn._confinement.cgroup.paths}
+                if conn._confinement.cgroup
+                else set()
+            )
     assert_gone(pids, [*dirs, *groups])
 
 
@@ -241,9 +270,9 @@ async def test_default_isolation_gives_children_the_parent_user_and_limits() -> 
             assert uid != 0
             assert cgroups_of(child_pid) != cgroups_of(parent_pid)
             conn = child.lease.connection
-            assert isinstance(conn, LocalConnection) and conn._cgroup is not None
-            limits = [p / "memory.limit_in_bytes" for p in conn._cgroup.paths]
-            limits += [p / "memory.max" for p in conn._cgroup.paths]
+            assert isinstance(conn, LocalConnection) and conn._confinement.cgroup is not None
+            limits = [p / "memory.limit_in_bytes" for p in conn._confinement.cgroup.paths]
+            limits += [p / "memory.max" for p in conn._confinement.cgroup.paths]
             found = {p.read_text().strip() for p in limits if p.exists()}
             assert str(512 << 20) in found
         # Another key and connection file than the parent's.

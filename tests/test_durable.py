@@ -225,8 +225,8 @@ def test_state_dir_is_private_and_ids_cannot_escape_it(tmp_path: Path) -> None:
         for agent in hostile:
             ex.run_code(f"v = {agent!r}", agent_id=agent).raise_for_error()
             ex.session(agent).hibernate()
-        with pytest.raises(kx.ConfigError, match="in use by another executor"), _ex(state):
-            pass
+        with _ex(state) as other:  # several executors share a state_dir (test_durable_workers)
+            assert other.sessions == {}
     assert sorted(os.listdir(tmp_path)) == ["state"]
     for root, dirs, files in os.walk(state):
         for d in dirs:

@@ -165,3 +165,34 @@ def test_bwrap_uses_the_plain_launch() -> None:
     launch = kx.backends.KernelLaunch(isolation="bwrap")
     assert backend.launch_kind(launch) == "plain"
     assert backend.launch_kind(kx.backends.KernelLaunch(isolation="process")) == "fork server"
+
+
+KERNEL_SIDE = (
+    "__kernelexec__",
+    "__kernelexec_budget__",
+    "__kernelexec_tuning__",
+    "__kernelexec_output__",
+    "__kernelexec_namespace__",
+)
+
+
+@pytest.mark.parametrize("level", ["none", "process"])
+def test_forked_kernels_run_the_kernel_side_their_server_compiled(level: str) -> None:
+    # Every top-level function of each kernel-side module runs one of the server's code
+    # objects (compiled once there), not a fresh compile of the source the install carried.
+    probe = (
+        "import sys\n"
+        "codes = sys.modules['__kernelexec_compiled__'].codes.values()\n"
+        "shared = {id(c) for code in codes for c in code.co_consts}\n"
+        "def served(name):\n"
+        "    fns = [f for f in vars(sys.modules[name]).values() if type(f).__name__ == 'function'\n"
+        "           and f.__code__.co_filename == '<kernelexec>'\n"
+        "           and '<locals>' not in f.__qualname__]\n"
+        "    return bool(fns) and all(id(f.__code__) in shared for f in fns)\n"
+        f"print([n for n in {KERNEL_SIDE!r} if served(n)], len(codes))"
+    )
+    with kx.KernelExecutor(isolation=level) as ex:
+        s = ex.session("a")
+        forked_from(kernel_pid(s), level)
+        assert s.run_code(probe).stdout == f"{list(KERNEL_SIDE)!r} 5\n"
+        assert s.call_tool(kx.Tool.from_source("def f() -> int:\n    return 7\n"), {}).ok

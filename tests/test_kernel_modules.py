@@ -8,6 +8,7 @@ import ast
 import importlib
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -79,6 +80,15 @@ def test_every_kernel_half_is_declared_once_and_named_in_the_one_contract() -> N
     assert len({m.name for m in declared.values()}) == len(declared)  # one name each
     helpers = {"kernelexec._sandbox._helper_ns", "kernelexec._sandbox._helper_disk"}
     assert set(_stdlib_contract()["source_modules"]) == files | helpers
+    # Every top-level part of kernelexec is forbidden to them (the layering contract lists all).
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    [layering] = [
+        c
+        for c in config["tool"]["importlinter"]["contracts"]
+        if c.get("containers") == ["kernelexec"]
+    ]
+    parts = {n.strip() for layer in layering["layers"] for n in re.split(r"[|:]", layer)}
+    assert {f"kernelexec.{part}" for part in parts} <= set(_stdlib_contract()["forbidden_modules"])
 
 
 def test_kernel_halves_and_helpers_import_only_what_a_kernel_has() -> None:

@@ -23,14 +23,11 @@ from dataclasses import dataclass, field
 
 from kernelexec import _trees
 from kernelexec._branching import _process
-from kernelexec._branching._connection import BranchConnection
 from kernelexec._branching._process import Template
 from kernelexec._exceptions import BranchError, BranchingNotSupportedError, ExecutorClosedError
 from kernelexec._models import IsolationLevel
 from kernelexec._public import public
-from kernelexec._sandbox import _users
 from kernelexec.backends._base import KernelConnection
-from kernelexec.backends._local import LocalConnection
 
 log = logging.getLogger("kernelexec")
 
@@ -122,7 +119,7 @@ class Brancher:
                 f"its own namespaces is not forkable from the host); use "
                 f"isolation='process' or 'none'"
             )
-        if conn is not None and not isinstance(conn, LocalConnection):
+        if conn is not None and conn.family() is None:
             raise BranchingNotSupportedError(
                 f"sessions of the {backend!r} backend cannot be forked or snapshotted (only "
                 "local kernels at isolation 'none' or 'process' can)"
@@ -130,24 +127,24 @@ class Brancher:
 
     async def snapshot(self, conn: KernelConnection, agent_id: str) -> Template:
         """Fork a template from the live kernel ``conn`` (it is paused for the fork only)."""
-        assert isinstance(conn, LocalConnection)
-        tenant = conn.tenant()
+        family = conn.family()
+        if family is None:
+            raise BranchingNotSupportedError("this kernel cannot be forked")
         if id(conn) not in self._installed:
             await _process.install(conn, self._timeout)
             self._remember(conn, installed=True)
-            await asyncio.to_thread(seal, tenant.kdir, tenant.uid)
+            await asyncio.to_thread(family.seal)
         # Inside the family's first kernel's directory: the only place (besides the working
         # directories) its mount namespace shows at "process", and it outlives the family.
-        tdir = await asyncio.to_thread(tempfile.mkdtemp, prefix="t", dir=tenant.kdir)
+        tdir = await asyncio.to_thread(tempfile.mkdtemp, prefix="t", dir=family.directory)
         try:
-            if tenant.uid is not None:
-                await asyncio.to_thread(_users.hand_over, tdir, tenant.uid)
+            await asyncio.to_thread(family.hand_over, tdir)
             control = os.path.join(tdir, "c")
             # A branch's ipc sockets sit one directory deeper than its parent's
             # (<kernel dir>/bXXXXXXXX/s-5): say so plainly instead of "AF_UNIX path too long".
-            if len(os.fsencode(os.path.join(tenant.kdir, "bXXXXXXXX", "s-5"))) > 107:
+            if len(os.fsencode(os.path.join(family.directory, "bXXXXXXXX", "s-5"))) > 107:
                 raise BranchError(
-                    f"the temp directory {os.path.dirname(tenant.kdir)!r} is too long for a "
+                    f"the temp directory {os.path.dirname(family.directory)!r} is too long for a "
                     "branch's ipc sockets (at most 107 bytes); point TMPDIR at a shorter one"
                 )
             forked = await _process.fork_template(conn, control, self._timeout)
@@ -156,7 +153,7 @@ class Brancher:
                 control,
                 tdir,
                 forked.threads,
-                tenant,
+                family,
                 forked.fork_s,
                 listener=forked.kernel,
             )
@@ -176,7 +173,7 @@ class Brancher:
         self._owners[id(template)] = template
         return template
 
-    async def branch(self, template: Template, origin: str) -> BranchConnection:
+    async def branch(self, template: Template, origin: str) -> KernelConnection:
         """Fork a branch kernel from ``template``, with its channels connected.
 
         Raises:
@@ -184,15 +181,10 @@ class Brancher:
         """
         if self.is_closed(template) or not template.alive():
             raise BranchError("the snapshot is closed or its process is gone")
-        child = BranchConnection(template.tenant, template, origin)
         try:
-            await asyncio.wait_for(child.launch(), self._timeout)
-        except BaseException as exc:
-            with contextlib.suppress(Exception):
-                await asyncio.shield(child.shutdown())
-            if isinstance(exc, asyncio.TimeoutError):
-                raise BranchError(f"the branch did not start in {self._timeout:g} s") from None
-            raise
+            child = await asyncio.wait_for(template.family.branch(template, origin), self._timeout)
+        except asyncio.TimeoutError:
+            raise BranchError(f"the branch did not start in {self._timeout:g} s") from None
         node = _Node(self._nodes[id(template)], child.shutdown)
         node.parent.children.add(node)  # type: ignore[union-attr]
         self._nodes[id(child)] = node
@@ -202,9 +194,9 @@ class Brancher:
     async def seal(self, conn: KernelConnection) -> None:
         """A branch is ready: close its channels to the others of its family (see
         :func:`seal`)."""
-        if isinstance(conn, BranchConnection):
-            tenant = conn.tenant()
-            await asyncio.to_thread(seal, conn.kdir, tenant.uid)
+        family = conn.family()
+        if family is not None:
+            await asyncio.to_thread(family.seal)
 
     def is_closed(self, template: Template) -> bool:
         """Whether the snapshot behind ``template`` was closed (or the executor closed)."""
@@ -285,19 +277,6 @@ class Brancher:
             if parent is not None:
                 parent.children.discard(current)
             current = parent
-
-
-def seal(kdir: str, uid: int | None) -> None:
-    """Take a running kernel's connection file and socket files in ``kdir`` back from its
-    user (``uid``; nothing to do when None): its branches run as the same user, and must
-    neither read its key nor connect to its channels. The host (root) still can."""
-    if uid is None:
-        return
-    for entry in os.scandir(kdir):
-        if entry.name == "kernel.json" or entry.name.startswith("s-"):
-            with contextlib.suppress(OSError):
-                os.chown(entry.path, os.geteuid(), os.getegid(), follow_symlinks=False)
-                os.chmod(entry.path, 0o600, follow_symlinks=False)
 
 
 async def _noop() -> None:

@@ -1,6 +1,7 @@
 """The host's handles on the processes of branching: the kernel half installed in a live
-kernel, the request that forks a template from it, a template's control socket, and a branch
-kernel's process.
+kernel, the request that forks a template from it, and a template's control socket (the backend
+interface's :class:`~kernelexec.backends._base.KernelTemplate`, from which a backend's
+:class:`~kernelexec.backends._base.KernelFamily` forks branch kernels).
 
 See :mod:`kernelexec._branching._kernel_side` for what each process does.
 """
@@ -22,10 +23,8 @@ from kernelexec import _trees
 from kernelexec._branching import _kernel_side as kernel_side
 from kernelexec._exceptions import BranchError
 from kernelexec._protocol._install import KernelModule, install_request
-from kernelexec.backends._base import KernelConnection, Stalled
+from kernelexec.backends._base import KernelConnection, KernelFamily, Stalled
 from kernelexec.backends._base import ask as ask_kernel
-from kernelexec.backends._forkserver import ForkedProcess
-from kernelexec.backends._local import KernelTenant
 
 KERNEL_MODULE = KernelModule(kernel_side.MODULE_NAME, kernel_side.__name__)
 """Branching's kernel half, installed afresh in each live kernel that is forked from."""
@@ -119,7 +118,7 @@ class Template:
         control: The path of its listening socket.
         tdir: Its private directory (removed by :meth:`close`).
         threads: The user's threads of the kernel it was forked from.
-        tenant: How that kernel runs (its branches run the same way).
+        family: How that kernel runs (its branches run the same way).
         fork_s: How long the kernel was paused for the ``fork()``.
         listener: The kernel that made the listening socket (and handed it to the template):
             the only process whose socket the host may talk to at ``control``.
@@ -134,14 +133,14 @@ class Template:
         control: str,
         tdir: str,
         threads: list[str],
-        tenant: KernelTenant,
+        family: KernelFamily,
         fork_s: float = 0.0,
         listener: int | None = None,
     ) -> None:
         self.pid = pid
         self.tdir = tdir
         self.threads = threads
-        self.tenant = tenant
+        self.family = family
         self.fork_s = fork_s
         self.extra_dirs: list[str] = []
         """More directories to remove with the template (a snapshot's copy of the files)."""
@@ -239,39 +238,6 @@ class Template:
         if self._pidfd is not None:
             os.close(self._pidfd)
             self._pidfd = None
-
-
-class BranchProcess(ForkedProcess):
-    """A branch kernel's process, shaped as the fork server's :class:`ForkedProcess` (its
-    end seen through a pidfd; its exit status from the template, which reaps it).
-
-    Raises:
-        ProcessLookupError: it has already ended (before a handle could be opened).
-    """
-
-    def __init__(self, pid: int, template: Template) -> None:
-        self.pid = pid
-        self.template = template
-        self.returncode: int | None = None
-        self._done = False
-        self._pidfd: int | None = os.pidfd_open(pid)
-
-    def _reap(self) -> None:
-        status = self.template.status(self.pid)
-        # None: the template that reaps it is gone too (a branch that ended its family's first
-        # kernel ends with it); it has ended all the same, and "still running" would leave its
-        # calls waiting out their deadline.
-        self.returncode = -signal.SIGKILL if status is None else status
-        self._done = True
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
-
-    def close(self) -> None:
-        if self._pidfd is not None:
-            os.close(self._pidfd)
-            self._pidfd = None
-        self._done = True
 
 
 def _readable(fd: int) -> bool:

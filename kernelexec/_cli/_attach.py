@@ -28,7 +28,7 @@ def add_parsers(sub: Any) -> None:
         "--state-dir",
         default=None,
         metavar="DIR",
-        help="list the hibernated agents of a state_dir instead (size and age)",
+        help="list the agents of a state_dir instead (size, age and holder)",
     )
     sessions.add_argument(
         "--delete",

@@ -24,7 +24,9 @@ from kernelexec._core._registry import KnownSessions
 from kernelexec._core._session import AsyncSession
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
+from kernelexec._durable._handoff import Handoff
 from kernelexec._durable._keeper import Replayer, Runner, SessionState
+from kernelexec._durable._leases import LeaseBook
 from kernelexec._durable._rebuild import replay
 from kernelexec._durable._store import StateStore
 from kernelexec._envs._builder import EnvBuilder, ProgressCallback
@@ -123,6 +125,7 @@ class AsyncKernelExecutor:
         self._own_workdir = False
         self._loop: asyncio.AbstractEventLoop | None = None
         self._store: StateStore | None = None
+        self._handoff: Handoff | None = None
         if self.config.state_dir is not None:
             if not self.backend.host_filesystem:
                 raise ConfigError(
@@ -130,6 +133,7 @@ class AsyncKernelExecutor:
                     "sessions yet (its kernels do not see this host's filesystem)"
                 )
             self._store = StateStore(self.config.state_dir)
+            self._handoff = Handoff(LeaseBook(self.config.state_dir), self.config.handoff_timeout)
         self._brancher = Brancher(self.config.start_timeout)
         self._branches = SessionBranches(
             self._brancher,
@@ -249,7 +253,11 @@ class AsyncKernelExecutor:
         self._loop = asyncio.get_running_loop()
         if self._store is not None:
             self._store.open()
+        if self._handoff is not None:
+            self._handoff.open()
         await self._supervisor.start()
+        if self._handoff is not None:
+            self._supervisor.spawn("handoff", self._handoff.serve)
         self._budget.open()
         self._state.open()
         telemetry().watch(self)
@@ -380,8 +388,16 @@ class AsyncKernelExecutor:
                 raise ConfigError(
                     f"session {agent_id!r} exists with another setup_code; close it first"
                 )
+            if existing.lease.keeper is not None:
+                await existing.lease.keeper.hold_agent()
             return existing
         self._check_env(env)
+        claim = None
+        if self._handoff is not None:
+            claim = self._handoff.claim(agent_id, "" if env == self.env else fingerprint)
+            await claim.take()
+            if (existing := self._registry.get(key)) is not None:
+                return existing  # made meanwhile by a concurrent call
         self._env_of[fingerprint] = env
         cfg = self.config
         recorder = None
@@ -419,7 +435,10 @@ class AsyncKernelExecutor:
                 limit=cfg.max_checkpoint_bytes,
                 same_user=self.isolation_of(env).level == "none",
                 secret_names=frozenset(cfg.env_vars),
+                claim=claim,
             )
+            if claim is not None:
+                claim.lease = lease
             if recorder is not None:
                 lease.keeper.replayer = _replayer(recorder)
         lease.on_evicted = lambda: self._park(key)
@@ -616,6 +635,8 @@ class AsyncKernelExecutor:
             await asyncio.shield(asyncio.gather(*(p.aclose() for p in pools)))
             await asyncio.shield(self._brancher.aclose())
             await asyncio.shield(self.backend.release())
+            if self._handoff is not None:
+                self._handoff.close()
             if self._store is not None:
                 self._store.close()
             if self._own_workdir and isinstance(self._workdir, Path):

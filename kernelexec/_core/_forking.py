@@ -20,9 +20,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from kernelexec import _trees
+from kernelexec import _workdirs
 from kernelexec._aio import finish_shielded
-from kernelexec._branching._connection import BranchConnection
 from kernelexec._branching._family import AsyncSnapshot, Brancher
 from kernelexec._core._budget import KernelBudget
 from kernelexec._core._results import Ran
@@ -37,10 +36,8 @@ from kernelexec._exceptions import (
 from kernelexec._models import StateChanges
 from kernelexec._protocol import _kernel_side as kernel_side
 from kernelexec._protocol._host import ExecuteRequest
-from kernelexec._sandbox._users import LAYERS
 from kernelexec._tempdirs import make_owned_dir
 from kernelexec.backends._base import KernelConnection
-from kernelexec.backends._local import LocalConnection
 
 if TYPE_CHECKING:
     from kernelexec._core._session import AsyncSession
@@ -153,7 +150,7 @@ class SessionBranches:
                 self._budget.release()
             raise
         if snap.files is not None and isinstance(session.workdir, Path):
-            await asyncio.to_thread(replace_workdir, Path(snap.files), session.workdir)
+            await asyncio.to_thread(_workdirs.replace, Path(snap.files), session.workdir)
         await session.lease.swap(conn, snap.names)
         if snap.setup_ran:
             session.setup_inherited()  # restored exactly: setup_code is not run over it
@@ -222,11 +219,6 @@ class SessionBranches:
                 # Killed (by its user, the OOM killer), or ended with a kernel it could not
                 # outlive (before_atomic).
                 await finish_shielded(snap.aclose())
-                # Freeing it shut the dead kernel down for good, which handed the working
-                # directory back from its user: give it to the kernel that replaced it.
-                conn = session.lease.connection
-                if conn is not None and isinstance(session.workdir, Path):
-                    await conn.enter_workdir(str(session.workdir))
                 if not snap.outlives_kernel:
                     return (
                         "the snapshot ended with the kernel (the kernel runs threads of its "
@@ -282,12 +274,10 @@ class SessionBranches:
 
 
 def _outlived_by_forks(conn: KernelConnection) -> bool:
-    """Whether a fork of ``conn``'s kernel outlives that kernel: not where the kernel is a
-    launcher's own (isolation ``"process"``: the launcher kills every descendant when its
-    kernel ends); a branch's launcher is its family's first kernel's."""
-    if isinstance(conn, BranchConnection) and conn.launched_by == "branch":
-        return True
-    return not (isinstance(conn, LocalConnection) and conn.tenant().plan is not None)
+    """Whether a fork of ``conn``'s kernel outlives that kernel (see
+    :attr:`~kernelexec.backends._base.KernelFamily.forks_outlive`)."""
+    family = conn.family()
+    return family is None or family.forks_outlive
 
 
 def _not_rolled_back(ran: Ran, why: str) -> Ran:
@@ -301,33 +291,13 @@ def _not_rolled_back(ran: Ran, why: str) -> Ran:
 
 
 def copy_workdir(source: Path, target: Path) -> None:
-    """Copy a working directory's files into the directory ``target`` (:mod:`kernelexec._trees`:
-    never by path, never following a link, bounded), leaving out the layers of directories
-    lent to its kernels (their kernel's, in the mount namespace a branch shares; overlayfs's
-    own entries there are no files).
+    """Copy a working directory's files into the directory ``target`` by the snapshot's copy
+    rule (:data:`kernelexec._workdirs.SNAPSHOT`: never by path, never following a link,
+    bounded, the layers of directories lent to its kernels left out).
 
     Raises:
         TreeLimitError: the directory passes a bound of the walk.
     """
-    src = _trees.open_top(source)
-    try:
-        dst = _trees.open_top(target)
-        try:
-            done = _trees.copy(src, dst, where=str(source), skip_top=frozenset({LAYERS}))
-        finally:
-            os.close(dst)
-    finally:
-        os.close(src)
-    if done.skipped:
-        log.info("left out of the copy of %s: %r", source, done.skipped)
-
-
-def replace_workdir(source: Path, target: Path) -> None:
-    """Make ``target``'s content a copy of ``source``'s (a restore's working directory); the
-    host's own layer folder stays."""
-    dst = _trees.open_top(target)
-    try:
-        _trees.clear(dst, keep=frozenset({LAYERS}))
-    finally:
-        os.close(dst)
-    copy_workdir(source, target)
+    skipped = _workdirs.copy(source, target, _workdirs.SNAPSHOT)
+    if skipped:
+        log.info("left out of the copy of %s: %r", source, skipped)

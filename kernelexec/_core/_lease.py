@@ -136,6 +136,8 @@ class KernelLease:
         (its number stays: recordings, ``setup_code`` and installed helpers carry over)."""
         if self._pool is None:
             self._pool = await self._get_pool()
+        if self.keeper is not None and self._conn is None:
+            await self.keeper.hold_agent()
         old, self._conn = self._conn, conn
         await self._pool.exchange(old, conn)
         await self._attached(branched=True, same=same)
@@ -183,6 +185,8 @@ class KernelLease:
         names lost since the last run when state was lost (else None)."""
         missing: list[str] = []
         if self._conn is None:
+            if self.keeper is not None:
+                await self.keeper.hold_agent()  # another executor may hold it: asked to let go
             if self._pool is None:
                 self._pool = await self._get_pool()
             # If no kernel can be had now (a gateway that is down), the lost names wait for
@@ -320,6 +324,8 @@ class KernelLease:
             return
         self._names = ()
         self._tell(None)
+        if self.keeper is not None:
+            self.keeper.let_agent_go()  # saved, and no call reaches that kernel any more
         assert self._pool is not None
         await self._pool.discard(conn)
         if self.on_evicted is not None:
@@ -349,6 +355,8 @@ class KernelLease:
             self._tell(None)
         if conn is not None and self._pool is not None:
             await self._pool.discard(conn)
+        if self.keeper is not None:
+            self.keeper.let_agent_go()
 
     async def _attached(self, branched: bool = False, same: bool = False) -> list[str]:
         """Set a fresh kernel up; return the names a restore did not bring back. A

@@ -1,7 +1,8 @@
 """A session's working directory saved as a tar archive and put back into a fresh one.
 
 The directory is the kernel's: anything may lie there (links, FIFOs, files swapped while read,
-trees too deep or wide to walk). It is walked as every tenant tree is (:mod:`kernelexec._trees`:
+trees too deep or wide to walk). It is walked by the working directory's copy rule
+(:data:`kernelexec._workdirs.ARCHIVE`), as every tenant tree is (:mod:`kernelexec._trees`:
 through directory descriptors, never following a link, bounded in depth and entries). Only
 directories and plain files with one link are archived, each checked by ``fstat`` once open;
 what is skipped is named. A file counts at its size as the archive holds it (its holes too), and
@@ -20,12 +21,10 @@ import zlib
 from pathlib import Path, PurePosixPath
 from typing import BinaryIO
 
-from kernelexec import _trees
-from kernelexec._durable._kernel_state import STAGING
+from kernelexec import _trees, _workdirs
 from kernelexec._exceptions import CheckpointTooLargeError
 
 Signature = tuple[tuple[str, int, int], ...]
-_SKIP = frozenset({STAGING})
 _BLOCK = tarfile.BLOCKSIZE
 
 
@@ -35,11 +34,7 @@ def signature(workdir: Path) -> Signature:
     Raises:
         TreeLimitError: the directory passes a bound of the walk.
     """
-    top = _trees.open_top(workdir)
-    try:
-        return _trees.signature(top, where=str(workdir), skip_top=_SKIP, too_deep=_trees.leave)
-    finally:
-        os.close(top)
+    return _workdirs.signature(workdir)
 
 
 def archive(workdir: Path, dest: Path, limit: int) -> tuple[int, int, dict[str, str]]:
@@ -56,11 +51,7 @@ def archive(workdir: Path, dest: Path, limit: int) -> tuple[int, int, dict[str, 
     top = _trees.open_top(workdir)
     try:
         with open(fd, "wb") as raw, tarfile.open(fileobj=raw, mode="w") as tar:
-
-            def deep(entry: _trees.Entry) -> None:
-                skipped[entry.rel + "/"] = "deeper than the walk goes (not saved)"
-
-            for entry in _trees.walk(top, where=str(workdir), skip_top=_SKIP, too_deep=deep):
+            for entry in _workdirs.walk(top, workdir, skipped):
                 why = _add(tar, raw, entry, limit)
                 if why:
                     skipped[entry.rel] = why
@@ -127,6 +118,16 @@ def _crc_file(path: Path) -> int:
         while chunk := f.read(8 << 20):
             crc = zlib.crc32(chunk, crc)
     return crc
+
+
+def empty(workdir: Path) -> None:
+    """Remove what ``workdir`` holds, nothing followed (its files are stale: another executor
+    ran the agent since, and the checkpoint's archive is to be unpacked there)."""
+    top = _trees.open_top(workdir)
+    try:
+        _trees.clear(top)
+    finally:
+        os.close(top)
 
 
 def extract(source: Path, workdir: Path, size: int, crc: int) -> str | None:

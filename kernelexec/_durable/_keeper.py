@@ -24,6 +24,7 @@ from typing import Any, Literal
 from kernelexec import _trees
 from kernelexec._durable import _files
 from kernelexec._durable import _kernel_state as ks
+from kernelexec._durable._handoff import AgentClaim
 from kernelexec._durable._store import Manifest, StateStore, now_iso
 from kernelexec._exceptions import CheckpointTooLargeError, StateError
 from kernelexec._models import Hibernation, Restored
@@ -62,6 +63,8 @@ class SessionState:
             the records where the kernel reads them instead of copying them.
         secret_names: The executor's ``env_vars`` names: their values are never written to
             the store, and on a restore the fresh kernel's values win over any saved.
+        claim: The agent's lease in a ``state_dir`` other executors may share
+            (:mod:`._handoff`): held before a kernel of the session runs.
     """
 
     def __init__(
@@ -75,8 +78,10 @@ class SessionState:
         limit: int,
         same_user: bool = False,
         secret_names: frozenset[str] = frozenset(),
+        claim: AgentClaim | None = None,
     ) -> None:
         self.store = store
+        self.claim = claim
         self.secret_names = secret_names
         self.agent_id = agent_id
         self.env = env
@@ -94,11 +99,32 @@ class SessionState:
         self._files: tuple[_files.Signature, dict[str, Any] | None] | None = None
         self._marking = False  # no checkpoint yet: a marker on disk lists the names
         self._marked: tuple[str, ...] | None = None  # the names the marker on disk lists
+        self._taken_after: int | None = None  # the checkpoint known when the agent was retaken
+        self._since: tuple[int, tuple[str, ...]] | None = None  # noted on disk after a checkpoint
 
     @property
     def staging(self) -> Path:
         """Where the kernel stages record files (inside the session's working directory)."""
         return self.workdir / ks.STAGING
+
+    # -- the agent's lease --------------------------------------------------------------------
+
+    async def hold_agent(self) -> None:
+        """Hold the agent in the store before a kernel of the session runs: taken again after
+        it went (perhaps to another executor), what the disk holds is read again.
+
+        Raises:
+            AgentBusyError: another executor holds it and did not hand it over.
+        """
+        if self.claim is None or not await self.claim.take():
+            return
+        self._taken_after = self._manifest.gen if self._manifest is not None else -1
+        self._loaded, self._files = False, None
+
+    def let_agent_go(self) -> None:
+        """The session's kernel is gone: another executor may take the agent."""
+        if self.claim is not None:
+            self.claim.release()
 
     # -- a fresh kernel -----------------------------------------------------------------------
 
@@ -124,6 +150,11 @@ class SessionState:
                 self.store.load, self.agent_id, self.env
             )
             self._to_restore = self._manifest is not None or bool(self._problems)
+        if self._taken_after is not None:
+            newer = self._manifest is not None and self._manifest.gen != self._taken_after
+            self._taken_after = None
+            if newer:  # another executor ran the agent: this directory's files are stale
+                await asyncio.to_thread(_files.empty, self.workdir)
         restored, lost = None, []
         if self._to_restore:
             self._to_restore = False
@@ -147,6 +178,7 @@ class SessionState:
         disk lists them: a host killed before it saves has its next host report them lost
         (rewritten only when the names differ)."""
         if not self._marking or not (self._manifest is None or self._manifest.unfinished):
+            await self._note_since(names)
             return
         if self._marked is not None and self._marked == names:
             return
@@ -165,6 +197,26 @@ class SessionState:
             return
         self._manifest, self._marked = marker, names
 
+    async def _note_since(self, names: tuple[str, ...]) -> None:
+        """With ``"on_evict"``, calls ran after the last checkpoint: note it on disk (once per
+        checkpoint, again when the names change), so that a host killed before its next save
+        has the agent's next owner told what those calls did is lost."""
+        found = self._manifest
+        if self.checkpoint != "on_evict" or found is None or found.unfinished:
+            return
+        if self._since == (found.gen, names):
+            return
+        try:
+            await asyncio.to_thread(
+                self.store.mark_since, self.agent_id, self.env, found.gen, list(names)
+            )
+        except OSError as exc:
+            log.warning(
+                "agent %r: could not note the calls since its checkpoint: %s", self.agent_id, exc
+            )
+            return
+        self._since = (found.gen, names)
+
     async def _restore(
         self, run: Runner, generation: int, hand_over: Callable[[], Awaitable[None]]
     ) -> Restored:
@@ -180,6 +232,14 @@ class SessionState:
             not_restored = dict(manifest.unsaved)
         else:
             not_restored = {n: f"not saved: {why}" for n, why in manifest.unsaved.items()}
+            since = await asyncio.to_thread(self.store.since, self.agent_id, self.env, manifest.gen)
+            if since is not None:
+                problems.append(
+                    f"its host ended after calls this checkpoint (saved {manifest.saved_at}) "
+                    f"does not hold (the last at {since[1]}): what they changed is lost"
+                )
+                for name in set(since[0]) - set(manifest.names) - set(not_restored):
+                    not_restored[name] = "lost: made after the last checkpoint, not saved"
         try:
             problem = await asyncio.to_thread(self._stage_for_restore, manifest)
             if problem:

@@ -3,10 +3,14 @@
 Layout (private: directories 0700, files 0600, owned by the host's user)::
 
     state_dir/
-        LOCK                      flock()ed by the one executor that uses the directory
+        LOCK                      flock()ed shared by every executor using the directory
+                                  (exclusively by ``kernelexec sessions --delete``)
+        leases/, holders/         which executor holds which agent (see ``_leases``)
         agents/<key>/             key = sha256 of the agent id (and environment): an id is
             manifest.json         never a path, so no id can escape the directory
             manifest.prev.json    the checkpoint before, kept as a fall-back
+            since.json            calls ran after the checkpoint (removed by the next one):
+                                  found on resume, its host ended without saving them
             r<random>.rec         record files (see ``_kernel_state``), shared by manifests
             f<random>.tar         the working directory's files
 
@@ -42,6 +46,7 @@ _RECORD = re.compile(r"^r[0-9a-f]{24}\.rec$")
 _FILES = re.compile(r"^f[0-9a-f]{24}\.tar$")
 MANIFEST = "manifest.json"
 PREVIOUS = "manifest.prev.json"
+SINCE = "since.json"
 
 
 @dataclass
@@ -90,7 +95,7 @@ def now_iso() -> str:
 
 
 class StateStore:
-    """A ``state_dir``, locked for one executor while open.
+    """A ``state_dir``, locked (shared) while an executor uses it.
 
     Args:
         root: The directory (made, mode 0700, if missing).
@@ -100,12 +105,13 @@ class StateStore:
         self.root = root
         self._lock_fd: int | None = None
 
-    def open(self) -> None:
-        """Make the directory private and take its lock.
+    def open(self, exclusive: bool = False) -> None:
+        """Make the directory private and take its lock: shared (executors, any number), or
+        ``exclusive`` (no executor may use it meanwhile).
 
         Raises:
-            ConfigError: it cannot be made, is not private to this user, or another executor
-                uses it now.
+            ConfigError: it cannot be made, is not private to this user, or (``exclusive``)
+                an executor uses it now.
         """
         try:
             self.root.mkdir(parents=True, exist_ok=True, mode=0o700)
@@ -118,12 +124,12 @@ class StateStore:
         except OSError as exc:
             raise ConfigError(f"state_dir {self.root}: {exc.strerror or exc}") from None
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB)
         except OSError:
             os.close(fd)
             raise ConfigError(
-                f"state_dir {self.root} is in use by another executor (one executor per "
-                "state_dir: two would overwrite each other's checkpoints)"
+                f"state_dir {self.root} is in use by "
+                + ("an executor" if exclusive else "kernelexec sessions --delete")
             ) from None
         self._lock_fd = fd
 
@@ -192,6 +198,8 @@ class StateStore:
             # A crash between the two steps leaves only the fall-back: still a whole state.
             os.replace(current, where / PREVIOUS)
         write_atomic(current, encode_manifest(manifest))  # syncs the directory (both renames)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(where / SINCE)  # what ran since the older checkpoint is in this one
         self._collect(where)
         return moved
 
@@ -206,11 +214,32 @@ class StateStore:
             os.unlink(where / PREVIOUS)
         write_atomic(where / MANIFEST, encode_manifest(manifest), sync=False)
 
+    def mark_since(self, agent_id: str, env: str, gen: int, names: list[str]) -> None:
+        """Note that calls ran after checkpoint ``gen``, the kernel holding ``names`` now (not
+        synced, as :meth:`mark`: rewritten when the names change)."""
+        body = json.dumps({"gen": gen, "names": names, "at": now_iso()}).encode()
+        write_atomic(self.agent_dir(agent_id, env) / SINCE, body, sync=False)
+
+    def since(self, agent_id: str, env: str, gen: int) -> tuple[list[str], str] | None:
+        """The names and time :meth:`mark_since` noted after checkpoint ``gen``, if any."""
+        try:
+            fd = os.open(self.agent_dir(agent_id, env) / SINCE, os.O_RDONLY | os.O_NOFOLLOW)
+            with open(fd, "rb") as f:
+                data = json.loads(f.read(1 << 20))
+        except (OSError, ValueError):
+            return None
+        if not isinstance(data, dict) or data.get("gen") != gen:
+            return None
+        names = data.get("names")
+        if not isinstance(names, list):
+            return None
+        return [str(n) for n in names], str(data.get("at", "?"))
+
     def invalidate(self, agent_id: str, env: str) -> None:
         """Forget the agent's checkpoints (a failed save, a kernel lost: never bring back
         stale values)."""
         where = self.agent_dir(agent_id, env)
-        for name in (MANIFEST, PREVIOUS):
+        for name in (MANIFEST, PREVIOUS, SINCE):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(where / name)
         _fsync_dir(where)

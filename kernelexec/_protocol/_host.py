@@ -74,6 +74,13 @@ class Report:
     extras: dict[str, Any] = field(default_factory=dict)
 
 
+def kernel_side_sources() -> dict[str, str]:
+    """The source texts of the protocol's kernel modules (:data:`KERNEL_MODULES`), by their
+    names in the kernel: every new kernel executes them. A fork server compiles them once for
+    all its kernels (``backends._forkserver``); a kernel compiles a text its server did not."""
+    return {module.name: module.source() for module in KERNEL_MODULES}
+
+
 def bootstrap_request(
     max_output_chars: int, *, fast_paths: bool | None = None, fast_calls: bool = True
 ) -> ExecuteRequest:

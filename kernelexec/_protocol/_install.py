@@ -31,14 +31,19 @@ ANSWERS_PAYLOAD = "kernelexec.installed"
 FILENAME = kernel_side.KERNEL_FILENAME
 """The file name the kernel's tracebacks give for code of a kernel half."""
 
+COMPILED = kernel_side.COMPILED_MODULE_NAME
+"""The module a fork server leaves in its kernels with the sources it compiled (by text)."""
+
 LOADER = (
     inspect.getsource(kernel_loader.__kx_install)
-    + f"__kx_install({INSTALL_KEY!r}, {ANSWERS_PAYLOAD!r}, {FILENAME!r}); del __kx_install\n"
+    + f"__kx_install({INSTALL_KEY!r}, {ANSWERS_PAYLOAD!r}, {FILENAME!r}, {COMPILED!r})"
+    + "; del __kx_install\n"
 )
 """The code of every install request: :func:`._kernel_loader.__kx_install` and one call of it.
 For each module of the spec in order, a module the kernel lacks (or one not ``keep``) is
-executed from its source as a fresh module under its name, and its entry function is called
-with the spec's arguments (on a kept module too)."""
+executed from its source (or the code its fork server compiled from the same text) as a fresh
+module under its name, and its entry function is called with the spec's arguments (on a kept
+module too)."""
 
 
 @dataclass(frozen=True, slots=True)

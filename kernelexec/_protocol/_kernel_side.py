@@ -146,6 +146,10 @@ NAMESPACE_MODULE_NAME = "__kernelexec_namespace__"
 """The name ``_namespace/_kernel_namespace.py`` (a run's changes, the variables listing) is
 installed under."""
 
+COMPILED_MODULE_NAME = "__kernelexec_compiled__"
+"""A module a fork server leaves in its kernels: ``codes`` maps each of these sources, as the
+install request carries it, to its code, compiled once in the server (see ``_forkserver``)."""
+
 CHANGES_PAYLOAD = "kernelexec.changes"
 """The ``source`` of the reply payload with a run's changes (the namespace module's)."""
 

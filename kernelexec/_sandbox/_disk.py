@@ -37,7 +37,7 @@ import subprocess
 import tempfile
 from functools import lru_cache
 
-from kernelexec import _proctitle, _trees
+from kernelexec import _proctitle, _trees, _workdirs
 from kernelexec._exceptions import TreeLimitError
 from kernelexec._sandbox import _nshelper
 from kernelexec._tempdirs import detach, mount_points, process_alive, process_start_time
@@ -286,29 +286,12 @@ def support() -> str | None:
 
 
 def copy_tree(src: str, dst: str, *, outside_links: bool = True) -> list[str]:
-    """Copy the tree at ``src`` into the existing directory ``dst`` as described in the
-    module's docstring (:func:`kernelexec._trees.copy`: through descriptors, nothing followed,
-    one descriptor per level, what lies past the depth bound left out and named); the paths
-    left out (relative to ``src``).
+    """Copy the tree at ``src`` into the existing directory ``dst`` by the capped directory's
+    copy rule (:data:`kernelexec._workdirs.CAPPED`, as the module's docstring describes); the
+    paths left out (relative to ``src``).
 
     With ``outside_links=False`` a file that also has links outside the tree is left out: a
     link planted to a file elsewhere on the host never reaches a kernel's user (as
     ``_users.hand_over`` never hands such a file over).
     """
-    top = _trees.open_top(src)
-    try:
-        out = _trees.open_top(dst)
-        try:
-            done = _trees.copy(top, out, where=src, outside_links=outside_links, whiteouts=True,
-                               xattrs=(_OPAQUE,), skip_too_deep=True)  # fmt: skip
-        finally:
-            os.close(out)
-    finally:
-        os.close(top)
-    return sorted(done.skipped)
-
-
-_OPAQUE = "trusted.overlay.opaque"
-"""Overlayfs's mark on a directory that hides what the lower layer has there (one the kernel
-removed and made again): kept by the copy. Overlayfs sets it; a tenant cannot set it by hand,
-and it only ever hides the lower layer in that tenant's own view."""
+    return sorted(_workdirs.copy(src, dst, _workdirs.CAPPED, outside_links=outside_links))

@@ -53,8 +53,9 @@ from typing import Literal
 
 from kernelexec._exceptions import ConfigError
 from kernelexec._sandbox import _nshelper
-from kernelexec._sandbox._users import LAYERS, blocked, within
+from kernelexec._sandbox._users import blocked, within
 from kernelexec._tempdirs import owner_of
+from kernelexec._workdirs import LAYERS
 
 _SYSTEM = ("/proc", "/sys", "/dev")
 """Trees the sandbox provides itself: nothing in them is lent."""

@@ -16,6 +16,7 @@ from pathlib import Path
 from kernelexec import _trees
 from kernelexec._exceptions import TreeLimitError
 from kernelexec._tempdirs import KERNEL_UID_BASE as UID_BASE
+from kernelexec._workdirs import LAYERS
 
 
 def is_root() -> bool:
@@ -77,12 +78,6 @@ def hand_back(path: str, uid: int) -> None:
             )
     finally:
         os.close(top)
-
-
-LAYERS = ".kx-lent"
-"""The folder of a session's working directory holding the layers of the directories lent to
-its kernels copy on write (:mod:`kernelexec._sandbox._lend`): it stays the host's, 0700, and
-only the upper layers inside it change hands."""
 
 
 def hand_over(path: str, uid: int) -> None:

@@ -24,6 +24,9 @@ Who calls what, and when (all on the executor's one event-loop thread):
   session's kernel must be replaced, is evicted, or the executor closes.
 * :meth:`KernelBackend.hold` and :meth:`KernelBackend.release`: by the executor, when it is made
   and after it has shut its kernels down at close.
+* :meth:`KernelConnection.family` (an optional capability: forking a live kernel): by
+  kernelexec's branching (``kernelexec._branching``) when a session is forked or snapshotted;
+  it then calls the :class:`KernelFamily` it got (see there).
 
 Backends are found by name through the ``kernelexec.backends`` entry-point group (see
 :func:`kernelexec.backends.get_backend`); the local backend is registered there too.
@@ -36,7 +39,7 @@ import hashlib
 import time
 from collections.abc import Collection
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -228,6 +231,69 @@ class KernelConnection(abc.ABC):
     def kernel_pid(self) -> int | None:
         """The kernel's process id on this machine, or None when unknown (the default)."""
         return None
+
+    def family(self) -> KernelFamily | None:
+        """How this kernel can be forked (:class:`KernelFamily`), or None when it cannot be
+        (the default: sessions of this backend cannot be forked or snapshotted)."""
+        return None
+
+
+class KernelTemplate(Protocol):
+    """A frozen copy of a live kernel that forks branch kernels on request; made by
+    kernelexec's branching, handed to :meth:`KernelFamily.branch`."""
+
+    threads: list[str]
+    """The user's threads of the kernel it was forked from (a branch warns of them)."""
+
+    def fork(self, req: dict[str, Any], stderr: int) -> tuple[int, float]:
+        """Fork a branch kernel (blocking) told ``req`` (its connection, directory,
+        environment), its stderr the descriptor ``stderr``; its pid and how long the ``fork()``
+        took."""
+        ...
+
+    def status(self, pid: int) -> int | None:
+        """Reap the ended branch ``pid``; its exit status (None: unknown)."""
+        ...
+
+
+class KernelFamily(abc.ABC):
+    """An optional capability of a connection (:meth:`KernelConnection.family`): its kernel
+    can be forked, and this says how the processes forked from it run. Taken from the
+    connection when it is snapshotted; a template keeps it for its branches.
+
+    Who calls what (kernelexec's branching, on the executor's loop): :attr:`directory` and
+    :meth:`hand_over` when it makes a template's directory, :meth:`seal` when the kernel has
+    the branching kernel side installed and when a branch is ready, :meth:`branch` for each
+    branch forked from a template of this family.
+
+    Attributes:
+        directory: A private directory of the family's first kernel, in its mount namespace,
+            where templates' directories are made (removed with that kernel).
+        forks_outlive: Whether processes forked from this kernel outlive it (not where its
+            end ends every descendant, as a launcher's kernel's does).
+    """
+
+    directory: str
+    forks_outlive: bool
+
+    @abc.abstractmethod
+    def hand_over(self, path: str) -> None:
+        """Give the directory ``path`` (a template's) to the user the family runs as."""
+
+    @abc.abstractmethod
+    def seal(self) -> None:
+        """Close this kernel's channels to the others of its family: they run as the same
+        user, and must neither read its key nor connect to it."""
+
+    @abc.abstractmethod
+    async def branch(self, template: KernelTemplate, origin: str) -> KernelConnection:
+        """Fork a branch kernel from ``template`` (of this family); return it once its channels
+        are connected. ``origin`` names the session it branches from. Nothing is left running
+        when it fails or is cancelled.
+
+        Raises:
+            BranchError: the branch exited at once or the template is gone.
+        """
 
 
 class KernelBackend(abc.ABC):

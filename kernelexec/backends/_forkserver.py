@@ -6,7 +6,8 @@ The server is standard-library Python run as text (``python -c``) by the kernel'
 interpreter. It creates no zmq context, thread or event loop before forking: every child starts
 its kernel (``IPKernelApp``) from scratch, with its own connection file and key, working
 directory, environment (the kernel's, set before anything of the kernel runs), session and
-standard streams. At ``isolation="process"`` the child first runs kernelexec's launcher
+standard streams. The server compiles the kernel side's source once, and its kernels run that
+code when they install it. At ``isolation="process"`` the child first runs kernelexec's launcher
 (``_sandbox._launcher``, the same text and the same ``setup()`` as the plain launch), so the
 kernel gets its cgroups, rlimits and own user under a subreaper that kills every descendant.
 
@@ -39,6 +40,8 @@ import time
 from typing import IO, Any
 
 from kernelexec import _proctitle
+from kernelexec._protocol import _host as protocol
+from kernelexec._protocol import _kernel_side as kernel_side
 from kernelexec._sandbox import _launcher
 from kernelexec.backends._stderr import stderr_tail
 
@@ -49,6 +52,7 @@ SOURCE = (
     + _proctitle.SOURCE
     + f"kx_set_title({_proctitle.FORK_SERVER!r}, {_proctitle.COMMS[_proctitle.FORK_SERVER]!r})\n"
     + f"KERNEL_COMM = {_proctitle.COMMS[_proctitle.KERNEL]!r}\n"
+    + f"COMPILED = {kernel_side.COMPILED_MODULE_NAME!r}\n"
     + r"""
 import ctypes, gc, json, os, signal, socket, sys
 # No collection while the server imports, and what it imported frozen before the first fork:
@@ -79,6 +83,17 @@ try:
     import ipykernel.debugger
 except ImportError:
     pass
+# The kernel side's sources, compiled once here: a kernel that installs the same text runs
+# this code instead of compiling it (a quarter of a forked kernel's start-up CPU).
+import types
+compiled = types.ModuleType(COMPILED)
+compiled.codes = {}
+for text in sys.argv[4:]:
+    try:
+        compiled.codes[text] = compile(text, "<kernelexec>", "exec")
+    except Exception:
+        pass  # the kernel compiles it itself and reports what is wrong
+sys.modules[COMPILED] = compiled
 gc.collect()
 gc.freeze()
 
@@ -209,6 +224,16 @@ def supported() -> bool:
     return hasattr(os, "pidfd_open") and hasattr(socket, "send_fds") and hasattr(os, "fork")
 
 
+_ARG_MAX = 100_000
+"""The longest source text passed on the server's command line (Linux refuses one argument
+past 128 KiB); a longer one is compiled by each kernel."""
+
+
+def _precompiled() -> list[str]:
+    """The kernel side's source texts the server compiles once for its kernels."""
+    return [t for t in protocol.kernel_side_sources().values() if len(t.encode()) <= _ARG_MAX]
+
+
 class ForkServerError(RuntimeError):
     """The fork server could not fork (it is gone, or never came up)."""
 
@@ -255,7 +280,13 @@ class ForkServer:
         argv = [self.python, *([] if self._user_site else ["-s"]), "-c", SOURCE]
         try:
             self._proc = subprocess.Popen(
-                [*argv, str(os.getpid()), str(theirs.fileno()), _launcher.SOURCE],
+                [
+                    *argv,
+                    str(os.getpid()),
+                    str(theirs.fileno()),
+                    _launcher.SOURCE,
+                    *_precompiled(),
+                ],
                 stdin=subprocess.DEVNULL,
                 stdout=subprocess.DEVNULL,
                 stderr=self._stderr,

@@ -91,7 +91,7 @@ def test_connection_files_are_private_fresh_and_removed(executor: kx.KernelExecu
     s = executor.session("files")
     s.run_code("1")
     conn = _connection(s)
-    path = conn._km.connection_file  # type: ignore[union-attr]
+    path = conn._process.km.connection_file  # type: ignore[union-attr]
     assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
     assert stat.S_IMODE(os.stat(os.path.dirname(path)).st_mode) & 0o777 == 0o700
     key = json.loads(Path(path).read_text())["key"]
@@ -99,5 +99,5 @@ def test_connection_files_are_private_fresh_and_removed(executor: kx.KernelExecu
     s.restart()
     s.run_code("1")
     assert not os.path.exists(path)
-    new_path = _connection(s)._km.connection_file  # type: ignore[union-attr]
+    new_path = _connection(s)._process.km.connection_file  # type: ignore[union-attr]
     assert json.loads(Path(new_path).read_text())["key"] != key

@@ -1,0 +1,273 @@
+"""``Handoff``: one executor's side of a ``state_dir`` shared with others: claiming an agent
+before its kernel runs, asking the executor that holds it to hand it over, and handing over the
+agents it holds when another executor asks.
+
+The request travels as a file in the holder's inbox (:mod:`._leases`), which the holder polls
+every 10 ms: a file, not a socket, because executors on other hosts share only the filesystem,
+and polling because a change made by another NFS client wakes no ``inotify`` watch here. The
+holder waits for the session's current call (and those queued before the request), hibernates
+it, lets the lease go, and the asker, polling the lock every 5 ms, takes it and restores the
+agent as any wake does. A holder that cannot hand over (its session stays busy past the asker's
+deadline, the checkpoint passes ``max_checkpoint_bytes``) answers why and keeps the agent; the
+asker's :class:`~kernelexec.AgentBusyError` carries that answer. A holder that died lets its
+lock go with its process: the asker takes the agent at once, from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Protocol
+
+import anyio
+
+from kernelexec._durable._leases import Holder, LeaseBook, Request
+from kernelexec._durable._store import agent_key
+from kernelexec._exceptions import AgentBusyError, StateError
+from kernelexec._models import Hibernation
+from kernelexec._observability._logtext import untrusted
+
+log = logging.getLogger("kernelexec")
+
+SERVE_POLL_S = 0.01
+"""How often a holder looks for requests."""
+ASK_POLL_S = 0.005
+"""How often an asker tries the lock."""
+RENEW_S = 2.0
+"""How often an executor renews its heartbeat."""
+STALE_S = 10.0
+"""A heartbeat older than this names its executor as not renewing (hung, or its host gone)."""
+
+
+class Holdable(Protocol):
+    """What a hand-over needs of a session's kernel lease (``KernelLease`` is one)."""
+
+    def hold(self) -> AbstractAsyncContextManager[None]:
+        """Exclusive use of the session, after the calls made before."""
+
+    @property
+    def has_kernel(self) -> bool:
+        """Whether a kernel is attached now."""
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call runs or waits to run."""
+
+    async def hibernate(self) -> Hibernation:
+        """Save the state and give the kernel back (the caller holds the lease)."""
+
+
+class AgentClaim:
+    """One session's hold on its agent in the store.
+
+    Args:
+        office: The executor's :class:`Handoff`.
+        agent_id: The agent.
+        env: Its environment key in the store (``""``: the executor's default).
+    """
+
+    def __init__(self, office: Handoff, agent_id: str, env: str) -> None:
+        self.agent_id = agent_id
+        self.env = env
+        self.key = agent_key(agent_id, env)
+        self.lease: Holdable | None = None
+        """The session's kernel lease, handed over when another executor asks."""
+        self._office = office
+        self._lock = asyncio.Lock()
+
+    @property
+    def held(self) -> bool:
+        """Whether this executor holds the agent now."""
+        return self._office.book.holds(self.agent_id, self.env)
+
+    async def take(self) -> bool:
+        """Hold the agent, asking its holder to hand it over if another executor holds it;
+        whether it was taken now (False: it was held already).
+
+        Raises:
+            AgentBusyError: the holder refused, or did not let go within ``handoff_timeout``
+                (the message names its process and host, and its reason when it gave one).
+        """
+        async with self._lock:
+            if self.held:
+                return False
+            await self._office.wait_for(self)
+            return True
+
+    def release(self) -> None:
+        """Let the agent go (its kernel is gone, or the session closed)."""
+        self._office.release(self)
+
+
+class Handoff:
+    """See the module docstring.
+
+    Args:
+        book: The lease files of the executor's ``state_dir``.
+        timeout: ``handoff_timeout``: most seconds a claim waits for a holder.
+    """
+
+    def __init__(self, book: LeaseBook, timeout: float) -> None:
+        self.book = book
+        self.timeout = timeout
+        self._held: dict[str, AgentClaim] = {}
+        self._serving: set[str] = set()
+
+    def claim(self, agent_id: str, env: str) -> AgentClaim:
+        """The claim of ``agent_id`` (the one held now, or a new one)."""
+        return self._held.get(agent_key(agent_id, env)) or AgentClaim(self, agent_id, env)
+
+    def open(self) -> None:
+        """Announce this executor in the store (see :meth:`LeaseBook.open`)."""
+        self.book.open()
+
+    def close(self) -> None:
+        """Let every agent go and leave the store."""
+        self._held.clear()
+        self.book.close()
+
+    def release(self, claim: AgentClaim) -> None:
+        """Let ``claim``'s agent go."""
+        if self._held.get(claim.key) is claim:
+            del self._held[claim.key]
+            self.book.release(claim.key)
+
+    # -- asking -------------------------------------------------------------------------------
+
+    async def wait_for(self, claim: AgentClaim) -> None:
+        """Take ``claim``'s agent, asking its holder; see :meth:`AgentClaim.take`.
+
+        Raises:
+            AgentBusyError: see :meth:`AgentClaim.take`.
+            StateError: the lease files could not be read or written.
+        """
+        try:
+            await self._wait_for(claim)
+        except OSError as exc:
+            raise StateError(f"the lease of agent {claim.agent_id!r}: {exc}") from exc
+
+    async def _wait_for(self, claim: AgentClaim) -> None:
+        deadline = time.time() + self.timeout
+        asked: tuple[Holder, str] | None = None
+        last: Holder | None = None
+        answer: dict[str, object] | None = None
+        try:
+            while True:
+                if self.book.try_take(claim.agent_id, claim.env):
+                    self._held[claim.key] = claim
+                    return
+                holder = self.book.holder(claim.key)
+                last = holder or last
+                if holder is not None and (asked is None or asked[0].token != holder.token):
+                    if asked is not None:
+                        self.book.withdraw(*asked)
+                    mine = holder.token == self.book.token
+                    name = None if mine else self.book.ask(holder, deadline)
+                    asked, answer = ((holder, name) if name else None), None
+                if asked is not None:
+                    answer = self.book.answer_to(*asked) or answer
+                    if answer is not None and answer.get("status") == "refused":
+                        raise AgentBusyError(_busy(claim, asked[0], f"it refused: {answer['why']}"))
+                if time.time() >= deadline:
+                    raise AgentBusyError(_busy(claim, last, self._why_late(last, answer)))
+                await asyncio.sleep(ASK_POLL_S)
+        finally:
+            if asked is not None:
+                self.book.withdraw(*asked)
+
+    def _why_late(self, holder: Holder | None, answer: dict[str, object] | None) -> str:
+        within = f"it did not hand it over within handoff_timeout={self.timeout:g}s"
+        if answer is not None:
+            return f"{within}: {answer.get('why')}"
+        if holder is None:
+            return within
+        if holder.renewed_at is None:
+            return f"{within}: its executor left no heartbeat, yet its lock is held"
+        age = time.time() - holder.renewed_at
+        if age > STALE_S:
+            return (
+                f"{within}: it has not renewed its lease for {age:.0f}s (a hung process, or a "
+                "host whose locks the filesystem has not yet released)"
+            )
+        return f"{within} and gave no answer"
+
+    # -- serving ------------------------------------------------------------------------------
+
+    async def serve(self) -> None:
+        """Renew the heartbeat and serve hand-over requests until cancelled."""
+        renewed = time.monotonic()
+        async with anyio.create_task_group() as group:
+            while True:
+                try:
+                    for request in self.book.requests() if self._held else ():
+                        if request.name not in self._serving:
+                            self._serving.add(request.name)
+                            group.start_soon(self._serve_one, request)
+                    if time.monotonic() - renewed >= RENEW_S:
+                        renewed = time.monotonic()
+                        await asyncio.to_thread(self.book.renew)
+                except OSError as exc:  # a full disk, a filesystem gone a while: go on
+                    log.warning("hand-over requests not read: %s", exc)
+                await asyncio.sleep(SERVE_POLL_S)
+
+    async def _serve_one(self, request: Request) -> None:
+        try:
+            await self._hand_over(request)
+        except Exception as exc:  # one failed hand-over must not end the serving loop
+            log.warning("hand-over of %s failed: %s", request.key[:12], untrusted(exc))
+            self.book.answer(request, "refused", f"the hand-over failed: {exc}")
+            self.book.done(request)
+        finally:
+            self._serving.discard(request.name)
+
+    async def _hand_over(self, request: Request) -> None:
+        claim = self._held.get(request.key)
+        lease = claim.lease if claim is not None else None
+        if claim is None or lease is None:
+            if claim is None:
+                self.book.done(request)  # not held (any more): the asker finds the lock free
+            return  # a session being made: served on the next round
+        remaining = request.deadline - time.time()
+        if lease.busy:
+            self.book.answer(request, "busy", "its session was running a call")
+        async with _hold_within(lease, remaining) as got:
+            if not got:
+                self.book.answer(request, "busy", "its session was running a call throughout")
+                self.book.done(request)
+                return
+            if not self.book.pending(request):
+                return  # the asker gave up meanwhile (cancelled): keep the agent
+            if lease.has_kernel:
+                try:
+                    await lease.hibernate()
+                except StateError as exc:
+                    self.book.answer(request, "refused", f"it could not hibernate the agent: {exc}")
+                    self.book.done(request)
+                    return
+            claim.release()
+            self.book.done(request)
+        log.info("agent %r handed over to %s", claim.agent_id, untrusted(request.asker))
+
+
+@asynccontextmanager
+async def _hold_within(lease: Holdable, seconds: float) -> AsyncIterator[bool]:
+    """``lease.hold()`` if it is had within ``seconds``; yields whether it was."""
+    held = lease.hold()
+    try:
+        with anyio.fail_after(max(seconds, 0.0)):
+            await held.__aenter__()
+    except TimeoutError:
+        yield False
+        return
+    try:
+        yield True
+    finally:
+        await held.__aexit__(None, None, None)
+
+
+def _busy(claim: AgentClaim, holder: Holder | None, why: str) -> str:
+    who = holder.describe() if holder is not None else "an unknown process (no lease record)"
+    return f"agent {claim.agent_id!r} is held by {who}; {why}"
