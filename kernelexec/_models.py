@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import datetime as dt
 import json
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -21,6 +21,9 @@ from kernelexec._exceptions import (
 )
 from kernelexec._public import public
 from kernelexec._tools._tool import Tool
+
+HostFunctions = Mapping[str, Iterable[Any]] | Iterable[Any]
+"""``host_functions=``: functions (into module ``"tools"``), or module name -> functions."""
 
 ErrorKind = Literal[
     "exception",

@@ -354,12 +354,15 @@ def test_a_venv_kernel_saves_functions_by_value(tmp_path: Path) -> None:
         assert back.restored is not None and back.lost_variables == []
 
 
-def test_the_gateway_backend_refuses_a_state_dir_clearly(tmp_path: Path) -> None:
+def test_the_gateway_backend_refuses_after_call_checkpoints_clearly(tmp_path: Path) -> None:
     from kernelexec.backends import GatewayBackend
 
-    with pytest.raises(kx.ConfigError, match="does not support durable sessions"):
+    # Durable gateway sessions themselves: tests/test_gateway_durable.py (a real gateway).
+    with pytest.raises(kx.ConfigError, match="save on_evict"):
         kx.KernelExecutor(
-            backend=GatewayBackend("http://127.0.0.1:9"), state_dir=tmp_path / "state"
+            backend=GatewayBackend("http://127.0.0.1:9"),
+            state_dir=tmp_path / "state",
+            checkpoint="after_call",
         )
 
 

@@ -33,6 +33,7 @@ DECLARING = (
     "kernelexec._files._wire",
     "kernelexec._codemode._exposure",
     "kernelexec._durable._keeper",
+    "kernelexec._durable._transfer",
     "kernelexec._branching._process",
 )
 # What a kernel has besides the standard library (IPython, ipykernel), or may have (tried).

@@ -16,10 +16,8 @@ from typing import Any
 from kernelexec._codemode import _kernel_side as kernel_side
 from kernelexec._codemode._functions import HostFunction
 from kernelexec._exceptions import ConfigError
+from kernelexec._models import HostFunctions as HostFunctions
 from kernelexec._protocol._install import ExecuteRequest, Installed, KernelModule, install_request
-
-HostFunctions = Mapping[str, Iterable[Any]] | Iterable[Any]
-"""``host_functions=``: functions (into module ``"tools"``), or module name -> functions."""
 
 DEFAULT_MODULE = "tools"
 

@@ -16,15 +16,19 @@ import contextlib
 import json
 import os
 import secrets
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import platformdirs
 
 from kernelexec._exceptions import ConfigError
-from kernelexec._models import RunRecord, now_iso
+from kernelexec._models import Restored, now_iso
 from kernelexec._tempdirs import process_alive, process_start_time
 from kernelexec.backends._base import KernelConnection
+
+if TYPE_CHECKING:
+    from kernelexec._core._lease import Arrival, LeasedKernel, Leaving
 
 ENV_VAR = "KERNELEXEC_RUNTIME_DIR"
 
@@ -67,7 +71,8 @@ def _write_private(path: Path, data: dict[str, Any]) -> None:
 
 
 class SessionRegistration:
-    """One attachable session's files; a run observer and the watcher of its lease's kernel.
+    """One attachable session's files; a watcher of its lease (rewritten when the kernel
+    changes and after every run, removed when the session is gone).
 
     Args:
         agent_id: The session's agent id.
@@ -95,8 +100,39 @@ class SessionRegistration:
         self._closed = False
         self._save()
 
-    def kernel_changed(self, conn: KernelConnection | None) -> None:
-        """The session's kernel is now ``conn`` (None: it has none)."""
+    async def attaching(self) -> None:
+        """No kernel yet: nothing to write."""
+
+    async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
+        """The session's kernel is now ``kernel``: its connection file is written."""
+        self._kernel_changed(kernel.conn)
+        return None
+
+    async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
+        """The kernel goes: its connection file too (a lost one's is rewritten by the next
+        ``attached``)."""
+        if why != "lost":
+            self._kernel_changed(None)
+        return False
+
+    async def after_run(
+        self, kernel: LeasedKernel | None, extras: Mapping[str, Any] | None
+    ) -> None:
+        """Count the call (the registry shows how busy a session is)."""
+        if self._closed:
+            return
+        self._entry["calls"] += 1
+        with contextlib.suppress(OSError):
+            self._save()
+
+    def gone(self) -> None:
+        """Remove the session's files."""
+        self._closed = True
+        for path in (self.connection_path, self.path):
+            with contextlib.suppress(OSError):
+                path.unlink(missing_ok=True)
+
+    def _kernel_changed(self, conn: KernelConnection | None) -> None:
         if self._closed:
             return
         info = conn.connection_info() if conn is not None else None
@@ -109,21 +145,6 @@ class SessionRegistration:
                 self._entry["connection_file"] = str(self.connection_path)
             self._entry["kernel_pid"] = conn.kernel_pid() if conn is not None else None
             self._save()
-
-    async def run_finished(self, record: RunRecord) -> None:
-        """Count the call (the registry shows how busy a session is)."""
-        if self._closed or not record.ran:
-            return
-        self._entry["calls"] += 1
-        with contextlib.suppress(OSError):
-            self._save()
-
-    def close(self) -> None:
-        """Remove the session's files."""
-        self._closed = True
-        for path in (self.connection_path, self.path):
-            with contextlib.suppress(OSError):
-                path.unlink(missing_ok=True)
 
     def _save(self) -> None:
         _write_private(self.path, self._entry)

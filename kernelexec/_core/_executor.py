@@ -13,14 +13,17 @@ from typing import Any
 from kernelexec._branching._family import Brancher
 from kernelexec._codemode._calls import HostCallBounds
 from kernelexec._codemode._exposure import HostFunctions
+from kernelexec._codemode._session import SessionCodeMode
 from kernelexec._config import ExecutorConfig, ExecutorOptions, make_config
 from kernelexec._core._attach import SessionRegistration
 from kernelexec._core._budget import KernelBudget
+from kernelexec._core._features import SessionFeatures
 from kernelexec._core._forking import SessionBranches, copy_workdir
 from kernelexec._core._lease import KernelLease
 from kernelexec._core._outputs import OutputCallback
+from kernelexec._core._pipeline import RunLimits
 from kernelexec._core._pool import KernelPool
-from kernelexec._core._registry import KnownSessions
+from kernelexec._core._registry import KnownSessions, RegistryEntry
 from kernelexec._core._session import AsyncSession
 from kernelexec._core._state import Lifecycle
 from kernelexec._core._tasks import TaskSupervisor
@@ -29,9 +32,13 @@ from kernelexec._durable._keeper import Replayer, Runner, SessionState
 from kernelexec._durable._leases import LeaseBook
 from kernelexec._durable._rebuild import replay
 from kernelexec._durable._store import StateStore
+from kernelexec._durable._transfer import RemoteSessionState
 from kernelexec._envs._builder import EnvBuilder, ProgressCallback
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError
+from kernelexec._files._commands import AsyncSessionCommands
+from kernelexec._files._link import KernelLink
+from kernelexec._files._session import AsyncSessionFiles
 from kernelexec._models import Execution, Isolation, ToolResult
 from kernelexec._notebooks._io import safe_filename
 from kernelexec._observability._logtext import untrusted
@@ -127,10 +134,10 @@ class AsyncKernelExecutor:
         self._store: StateStore | None = None
         self._handoff: Handoff | None = None
         if self.config.state_dir is not None:
-            if not self.backend.host_filesystem:
+            if not self.backend.host_filesystem and self.config.checkpoint == "after_call":
                 raise ConfigError(
-                    f"state_dir: the {self.backend.name!r} backend does not support durable "
-                    "sessions yet (its kernels do not see this host's filesystem)"
+                    f"checkpoint='after_call': the {self.backend.name!r} backend's kernels do "
+                    "not see this host's filesystem; its durable sessions save on_evict"
                 )
             self._store = StateStore(self.config.state_dir)
             self._handoff = Handoff(LeaseBook(self.config.state_dir), self.config.handoff_timeout)
@@ -388,8 +395,8 @@ class AsyncKernelExecutor:
                 raise ConfigError(
                     f"session {agent_id!r} exists with another setup_code; close it first"
                 )
-            if existing.lease.keeper is not None:
-                await existing.lease.keeper.hold_agent()
+            if existing.durable is not None:
+                await existing.durable.hold_agent()
             return existing
         self._check_env(env)
         claim = None
@@ -410,60 +417,75 @@ class AsyncKernelExecutor:
                 path = Path(cfg.record_dir) / f"{name}.ipynb"
             recorder = SessionRecorder(agent_id, path, fingerprint, env.model_dump(mode="json"))
         workdir = self._session_dir(agent_id)
-        registration = None
-        if cfg.attachable:
-            registration = SessionRegistration(agent_id, fingerprint, self.backend.name)
         lease = KernelLease(
             agent_id,
             lambda: self._pool_for(env),
             str(workdir),
-            registration,
             env=cfg.env_vars if self.backend.filters_env else None,
             private=tuple(
                 str(d) for d in (self._workdir, cfg.state_dir, cfg.record_dir) if d is not None
             ),
         )
         lease.carry_lost(self._registry.take_lost(key))
+        # The features watch the lease, in this order: the live-attach entry first, durable
+        # state before the registry entry (which may let the session go once it is parked).
+        if cfg.attachable:
+            lease.subscribe(SessionRegistration(agent_id, fingerprint, self.backend.name))
+        durable = None
         if self._store is not None:
-            assert isinstance(workdir, Path)
-            lease.keeper = SessionState(
+            state = SessionState if self.backend.host_filesystem else RemoteSessionState
+            durable = state(
                 self._store,
                 agent_id,
                 "" if env == self.env else fingerprint,
-                workdir,
+                Path(workdir),  # a gateway's: relative, as its kernels see it
                 checkpoint=cfg.checkpoint,
                 limit=cfg.max_checkpoint_bytes,
                 same_user=self.isolation_of(env).level == "none",
                 secret_names=frozenset(cfg.env_vars),
                 claim=claim,
             )
-            if claim is not None:
-                claim.lease = lease
+            durable.serve_handovers(lease)
             if recorder is not None:
-                lease.keeper.replayer = _replayer(recorder)
-        lease.on_evicted = lambda: self._park(key)
-        lease.on_attached = lambda: self._unpark(key, lease)
-        self._budget.register(lease)
-        session = AsyncSession(
+                durable.replayer = _replayer(recorder)
+            lease.subscribe(durable)
+        link = KernelLink(lease, str(workdir), timeout=cfg.default_timeout)
+        lease.subscribe(link)
+        code_mode = SessionCodeMode(
             agent_id,
-            lease,
-            workdir,
-            fingerprint=fingerprint,
-            default_timeout=cfg.default_timeout,
-            interrupt_grace=cfg.interrupt_grace,
-            output_grace=cfg.output_grace,
-            max_output_chars=cfg.max_output_chars,
-            max_result_chars=cfg.max_result_chars,
-            host_calls=HostCallBounds(
+            bounds=HostCallBounds(
                 calls_per_run=cfg.max_host_calls,
                 result_chars=cfg.max_result_chars,
                 call_bytes=cfg.max_host_call_bytes,
                 in_flight=cfg.max_host_calls_in_flight,
             ),
+            install_timeout=cfg.default_timeout,
+        )
+        lease.subscribe(code_mode)
+        lease.subscribe(RegistryEntry(self._registry, self._budget, key, lease))
+        self._budget.register(lease)
+        features = SessionFeatures(
+            files=AsyncSessionFiles(link),
+            commands=AsyncSessionCommands(link),
+            code_mode=code_mode,
+            durable=durable,
             recorder=recorder,
+        )
+        session = AsyncSession(
+            agent_id,
+            lease,
+            workdir,
+            features,
+            fingerprint=fingerprint,
+            default_timeout=cfg.default_timeout,
+            limits=RunLimits(
+                interrupt_grace=cfg.interrupt_grace,
+                output_grace=cfg.output_grace,
+                max_output_chars=cfg.max_output_chars,
+            ),
+            max_result_chars=cfg.max_result_chars,
             isolation=self.isolation_of(env),
             backend=self.backend.name,
-            observers=(registration,) if registration is not None else (),
             on_close=self._forget,
             setup_code=setup,
             branches=self._branches,
@@ -499,23 +521,11 @@ class AsyncKernelExecutor:
             child.recorder.note_branch(parent.agent_id, parent.notebook)
         return child
 
-    def _park(self, key: tuple[str, str]) -> None:
-        """The session's kernel was evicted: the registry holds it weakly from now on."""
-        session = self._registry.park(key)
-        if session is not None:
-            self._budget.forget(session.lease)
-
-    def _unpark(self, key: tuple[str, str], lease: KernelLease) -> None:
-        """A parked session got a kernel again (its caller held it): hold it again."""
-        self._registry.unpark(key)
-        self._budget.register(lease)
-
     def _released(self, lease: KernelLease, recorder: SessionRecorder | None) -> None:
         """A parked session nobody held was collected: let its file and names go."""
         if recorder is not None:
             recorder.close()
-        if lease.watcher is not None:
-            lease.watcher.close()  # an attachable session's registry entry
+        lease.gone()  # the features watching it (an attachable session's registry entry)
         self._dirs_used.discard(PurePath(lease.workdir).name)
 
     async def _forget(self, session: AsyncSession) -> None:
@@ -649,7 +659,7 @@ class AsyncKernelExecutor:
 
         async def one(session: AsyncSession) -> None:
             lease = session.lease
-            keeper = lease.keeper
+            keeper = session.durable
             if keeper is None or not lease.has_kernel:
                 return
             if not lease.busy:
@@ -679,8 +689,8 @@ class AsyncKernelExecutor:
         fingerprint = self.fingerprint_of(env)
         key = "" if env == self.env else fingerprint
         session = self._registry.get((agent_id, fingerprint))
-        if session is not None and session.lease.keeper is not None:
-            session.lease.keeper.deleted()
+        if session is not None and session.durable is not None:
+            session.durable.deleted()
         return await asyncio.to_thread(self._store.delete, agent_id, key)
 
 

@@ -4,6 +4,13 @@ and the user's variable names, so that whoever loses them is told which.
 The lease owns the session's FIFO lock (``hold``): a kernel runs one of the session's calls at
 a time, in the order they were made. The executor's budget sees a lease only through
 ``busy``, ``has_kernel``, ``last_used`` and ``evict``.
+
+A session feature that must know about the kernel (its durable state, its place in the
+executor's registry, its live-attach entry, its files link, code mode) is a
+:class:`KernelWatcher`: whoever assembles the session makes the lease, then
+``lease.subscribe(watcher)`` for each feature, in order. The lease tells its watchers, in
+that order, before a kernel is taken where it has none, when a kernel is attached, when it is
+leaving (and why), after every run, and when the session is gone; it names no feature.
 """
 
 from __future__ import annotations
@@ -12,15 +19,15 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
-from typing import Any, Protocol
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
 from kernelexec._core._pool import KernelPool
 from kernelexec._core._run import run_internal
-from kernelexec._durable._keeper import SessionState
-from kernelexec._exceptions import ConfigError, KernelStartError, StateError
-from kernelexec._models import Hibernation, Restored
+from kernelexec._exceptions import KernelStartError, StateError
+from kernelexec._models import Restored
 from kernelexec._observability._logtext import untrusted
 from kernelexec._proctitle import kernel_title
 from kernelexec._protocol._host import ExecuteRequest
@@ -31,15 +38,69 @@ from kernelexec.backends._base import KernelConnection
 
 log = logging.getLogger("kernelexec.kernel")
 
+Leaving = Literal["evict", "saved", "lost"]
+"""Why a kernel leaves its lease: ``"evict"``, given back whole (idle culling, the budget, a
+durable close): a watcher that keeps state saves it now; ``"saved"``, given back after a
+watcher saved its state (``hibernate``); ``"lost"``, broken or replaced, its state gone (a
+saved checkpoint of it is stale). The kernel a closed session still has is shut down after
+``gone``, unannounced."""
+
+
+Arrival = Literal["fresh", "branched", "same"]
+"""How a kernel came to its lease: ``"fresh"``, a new kernel (a kept state is restored into
+it); ``"branched"``, a fork or a restored snapshot, holding a state of its own (a kept one is
+stale); ``"same"``, a fork put in place of the kernel it continues, between two runs: the same
+number and state, only its connection is new."""
+
+
+@dataclass(frozen=True, slots=True)
+class LeasedKernel:
+    """The lease's kernel as its watchers see it at one event.
+
+    Attributes:
+        conn: The kernel's connection.
+        generation: Its number (the lease's first kernel is 1).
+        names: The user's variable names it holds now.
+        workdir: The session's working directory, as the kernel sees it.
+        ask: Runs one of kernelexec's own requests on it; returns the reply (``StateError``
+            when the kernel died or did not answer in time).
+    """
+
+    conn: KernelConnection
+    generation: int
+    names: tuple[str, ...]
+    workdir: str
+    ask: Callable[[ExecuteRequest, float], Awaitable[dict[str, Any]]]
+
 
 class KernelWatcher(Protocol):
-    """Told whenever a lease's kernel changes (the live-attach registry is one)."""
+    """A session feature that follows the lease's kernel (subscribed with
+    :meth:`KernelLease.subscribe`). Every method runs while the session is held (no call of it
+    runs meanwhile), except :meth:`gone`."""
 
-    def kernel_changed(self, conn: KernelConnection | None) -> None:
-        """The lease's kernel is now ``conn`` (None: it has none)."""
+    async def attaching(self) -> None:
+        """The lease, which has no kernel, is about to take one; raise to refuse (the lease
+        stays without one: durable state does when another executor holds the agent)."""
 
-    def close(self) -> None:
-        """The session is gone."""
+    async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
+        """A kernel is attached (set up: in the working directory, lent directories shown),
+        ``how`` (see :data:`Arrival`). Return what was restored into it (durable state), else
+        None."""
+
+    async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
+        """``kernel`` is about to go (see :data:`Leaving`); it still runs. Return True only
+        when ``why`` is ``"evict"`` and this watcher kept the kernel's state (its names are
+        then not reported lost)."""
+
+    async def after_run(
+        self, kernel: LeasedKernel | None, extras: Mapping[str, Any] | None
+    ) -> None:
+        """A run of the session reached a kernel and ended (``kernel``: the lease's kernel
+        now, None when a lost one could not be replaced); ``extras``: what the kernel side
+        reported beside the result (None: no report, the run failed before or lost it)."""
+
+    def gone(self) -> None:
+        """The session is closed or forgotten: let go of what it held (idempotent)."""
 
 
 class KernelLease:
@@ -51,7 +112,6 @@ class KernelLease:
             build a virtual environment).
         workdir: The session's working directory, as the kernel sees it; a fresh kernel
             creates it and changes into it on its first request.
-        watcher: Told when the kernel changes.
         env: Variables to set in each fresh kernel with its first request (the executor's
             ``env_vars``, for a backend whose kernels may not get them at launch).
         private: The executor's own directories, which no directory lent to the kernels may
@@ -63,7 +123,7 @@ class KernelLease:
         agent_id: str,
         pool: Callable[[], Awaitable[KernelPool]],
         workdir: str,
-        watcher: KernelWatcher | None = None,
+        *,
         env: dict[str, str] | None = None,
         private: tuple[str, ...] = (),
     ) -> None:
@@ -78,20 +138,18 @@ class KernelLease:
         self._names: tuple[str, ...] = ()
         self._lost: list[str] | None = None  # state lost outside a run, not yet reported
         self._fresh = False
-        self.watcher = watcher
+        self._watchers: list[KernelWatcher] = []
         self.generation = 0
         """How many kernels this lease has had (the current one's number)."""
         self.last_used = time.monotonic()
-        self.on_evicted: Callable[[], None] | None = None
-        """Told when the budget took the kernel back (the executor then forgets the session)."""
-        self.on_attached: Callable[[], None] | None = None
-        """Told when a kernel is attached (the executor then knows the session again)."""
-        self.keeper: SessionState | None = None
-        """The session's durable state (with a ``state_dir``): saved before the kernel goes,
-        restored into the next one."""
         self._restored: Restored | None = None
         self._lent: dict[str, Loan] = {}
         self._private = private
+
+    def subscribe(self, watcher: KernelWatcher) -> None:
+        """Tell ``watcher`` about the lease's kernels from now on, after those subscribed
+        before it (a watcher that keeps state comes before one that acts on its being kept)."""
+        self._watchers.append(watcher)
 
     @property
     def busy(self) -> bool:
@@ -109,6 +167,13 @@ class KernelLease:
         return self._conn
 
     @property
+    def kernel(self) -> LeasedKernel | None:
+        """The attached kernel as a watcher sees it, if any."""
+        if self._conn is None:
+            return None
+        return LeasedKernel(self._conn, self.generation, self._names, self._workdir, self._ask)
+
+    @property
     def names(self) -> tuple[str, ...]:
         """The user's variable names after the last run."""
         return self._names
@@ -123,10 +188,8 @@ class KernelLease:
         lease's kernel, holding ``names``."""
         self._pool = pool
         self._conn = conn
-        await self._attached(branched=True)
+        await self._attached("branched")
         self._names = names
-        if self.on_attached is not None:
-            self.on_attached()
 
     async def swap(
         self, conn: KernelConnection, names: tuple[str, ...], *, same: bool = False
@@ -136,14 +199,12 @@ class KernelLease:
         (its number stays: recordings, ``setup_code`` and installed helpers carry over)."""
         if self._pool is None:
             self._pool = await self._get_pool()
-        if self.keeper is not None and self._conn is None:
-            await self.keeper.hold_agent()
+        if self._conn is None:
+            await self._attaching()
         old, self._conn = self._conn, conn
         await self._pool.exchange(old, conn)
-        await self._attached(branched=True, same=same)
+        await self._attached("same" if same else "branched")
         self._names = names
-        if old is None and self.on_attached is not None:
-            self.on_attached()
 
     async def lend(self, path: str | os.PathLike[str], *, mode: LoanMode) -> str:
         """Show the host directory ``path`` to the session's kernels, at the same path, from
@@ -185,8 +246,7 @@ class KernelLease:
         names lost since the last run when state was lost (else None)."""
         missing: list[str] = []
         if self._conn is None:
-            if self.keeper is not None:
-                await self.keeper.hold_agent()  # another executor may hold it: asked to let go
+            await self._attaching()  # a watcher may refuse (another executor holds the agent)
             if self._pool is None:
                 self._pool = await self._get_pool()
             # If no kernel can be had now (a gateway that is down), the lost names wait for
@@ -199,8 +259,6 @@ class KernelLease:
                 self.generation,
                 self._conn.kernel_pid() or "-",
             )
-            if self.on_attached is not None:
-                self.on_attached()
         lost, self._lost = self._lost, None
         if missing:
             lost = (lost or []) + missing
@@ -238,10 +296,11 @@ class KernelLease:
     async def replace(self) -> list[str]:
         """Give the kernel a fresh one in its place now; return the names that were lost."""
         lost = list(self._names)
+        leaving = self.kernel
         old, self._conn = self._conn, None
         self._names = ()
-        if self.keeper is not None:
-            await self.keeper.invalidate()  # never bring back what the lost kernel had saved
+        if leaving is not None:
+            await self._leaving(leaving, "lost")  # never bring back what it had saved
         if old is not None:
             assert self._pool is not None
             try:
@@ -267,71 +326,35 @@ class KernelLease:
 
     async def evict(self) -> None:
         """Give the kernel back (idle culling, the budget, close); the next run starts fresh
-        and reports what was lost, or (durable) gets the state restored."""
-        async with self._lock:  # a durable save holds the session until the kernel is gone
-            if self._conn is None:
-                return
-            if self.keeper is None:
-                self._lost = (self._lost or []) + list(self._names)
-            else:
-                try:
-                    await self.keeper.save(self._run, self.generation)
-                    self.keeper.kernel_gone()
-                except StateError as exc:
-                    log.warning(
-                        "agent %r: hibernating failed, state lost: %s",
-                        self.agent_id,
-                        untrusted(exc),
-                    )
-                    self._lost = (self._lost or []) + list(self._names)
-                    await self.keeper.invalidate()
-            await self._give_back()
+        and reports what was lost, or (a watcher kept the state) gets the state restored."""
+        async with self._lock:  # a save holds the session until the kernel is gone
+            await self.give_back("evict")
 
-    async def hibernate(self) -> Hibernation:
-        """Save the state and give the kernel back (the caller holds the lease).
-
-        Raises:
-            ConfigError: the executor has no ``state_dir``.
-            StateError: the state could not be saved (the kernel is kept, the older
-                checkpoint deleted).
-        """
-        if self.keeper is None:
-            raise ConfigError("hibernate() needs an executor with a state_dir")
-        if self._conn is None:
-            return await self.keeper.on_disk()
-        try:
-            saved = await self.keeper.save(self._run, self.generation)
-        except StateError:
-            await self.keeper.invalidate()  # the kernel keeps the state; the disk never lags it
-            raise
-        self.keeper.kernel_gone()
-        await self._give_back()
-        return saved
-
-    async def after_call(self, answer: Any) -> None:
-        """Commit the checkpoint the kernel side made after a call (``after_call``), or (before
-        the session's first checkpoint) mark on disk the names a killed host loses."""
-        keeper = self.keeper
-        if keeper is None or self._conn is None:
+    async def give_back(self, why: Literal["evict", "saved"]) -> None:
+        """Give the kernel back now (the caller holds the lease): ``"saved"`` once a watcher
+        saved its state (``hibernate``), else as :meth:`evict` does."""
+        kernel = self.kernel
+        if kernel is None:
             return
-        if keeper.checkpoint == "after_call":
-            await keeper.after_call(answer, self._run, self.generation)
-        await keeper.names_seen(self._names)
-
-    async def _give_back(self) -> None:
+        await self._leaving(kernel, why)
         conn, self._conn = self._conn, None
-        if conn is None:
-            return
         self._names = ()
-        self._tell(None)
-        if self.keeper is not None:
-            self.keeper.let_agent_go()  # saved, and no call reaches that kernel any more
-        assert self._pool is not None
+        assert self._pool is not None and conn is not None
         await self._pool.discard(conn)
-        if self.on_evicted is not None:
-            self.on_evicted()
 
-    async def _run(self, request: ExecuteRequest, timeout: float) -> dict[str, Any]:
+    async def after_run(self, extras: Mapping[str, Any] | None) -> None:
+        """A run reached the kernel and ended: tell the watchers (``extras``: what the kernel
+        side reported beside the result, None when it reported nothing)."""
+        kernel = self.kernel
+        for watcher in self._watchers:
+            await watcher.after_run(kernel, extras)
+
+    def gone(self) -> None:
+        """The session is closed or forgotten: tell the watchers."""
+        for watcher in self._watchers:
+            watcher.gone()
+
+    async def _ask(self, request: ExecuteRequest, timeout: float) -> dict[str, Any]:
         conn = self._conn
         assert conn is not None
         out = await run_internal(conn, request, timeout)
@@ -349,20 +372,30 @@ class KernelLease:
             self._lost = (self._lost or []) + names
 
     async def release(self) -> None:
-        """Shut the kernel down for good (the session closed)."""
+        """Shut the kernel down for good (the session closed: its watchers were told
+        ``gone``)."""
         conn, self._conn = self._conn, None
-        if conn is not None:
-            self._tell(None)
         if conn is not None and self._pool is not None:
             await self._pool.discard(conn)
-        if self.keeper is not None:
-            self.keeper.let_agent_go()
 
-    async def _attached(self, branched: bool = False, same: bool = False) -> list[str]:
-        """Set a fresh kernel up; return the names a restore did not bring back. A
-        ``branched`` kernel (a fork, a restored snapshot) holds its state already: nothing is
-        restored into it, and a saved checkpoint of this session is stale; one that is the
-        ``same`` as the kernel it replaces (see :meth:`swap`) only enters its directories."""
+    async def _attaching(self) -> None:
+        for watcher in self._watchers:
+            await watcher.attaching()
+
+    async def _leaving(self, kernel: LeasedKernel, why: Leaving) -> None:
+        """Tell the watchers, in order; on an eviction the names are lost unless one of them
+        kept the state (accounted before the next watcher hears of it: the registry's entry
+        may let the session be collected, taking what it lost along)."""
+        before = self._lost
+        if why == "evict":
+            self._lost = (self._lost or []) + list(kernel.names)
+        for watcher in self._watchers:
+            if await watcher.leaving(kernel, why) and why == "evict":
+                self._lost = before
+
+    async def _attached(self, how: Arrival = "fresh") -> list[str]:
+        """Set a kernel up and tell the watchers (see :data:`Arrival`); return the names a
+        restore did not bring back."""
         assert self._conn is not None
         await self._conn.enter_workdir(self._workdir)
         for path, loan in list(self._lent.items()):
@@ -372,24 +405,17 @@ class KernelLease:
                 # The fresh kernel works without it; the next lend() of it says why it fails.
                 log.warning("%r: %s; not lent again", self.agent_id, untrusted(exc))
                 del self._lent[path]
-        if same:
-            self._tell(self._conn)
-            return []
-        self.generation += 1
-        self._names = ()
-        self._fresh = True
-        self._tell(self._conn)
-        if self.keeper is None:
-            return []
-        conn = self._conn
-        restored, missing = await self.keeper.attached(
-            self._run, self.generation, lambda: conn.enter_workdir(self._workdir), branched
-        )
-        if restored is not None:
-            self._restored = restored
-            self._names = tuple(restored.names)
+        if how != "same":
+            self.generation += 1
+            self._names = ()
+            self._fresh = True
+        missing: list[str] = []
+        for watcher in self._watchers:
+            kernel = self.kernel
+            assert kernel is not None
+            restored = await watcher.attached(kernel, how)
+            if restored is not None:
+                self._restored = restored
+                self._names = tuple(restored.names)
+                missing = sorted(restored.not_restored)
         return missing
-
-    def _tell(self, conn: KernelConnection | None) -> None:
-        if self.watcher is not None:
-            self.watcher.kernel_changed(conn)

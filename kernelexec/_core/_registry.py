@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from kernelexec._core._lease import KernelLease
+from kernelexec._core._budget import KernelBudget
+from kernelexec._core._lease import Arrival, KernelLease, LeasedKernel, Leaving
 from kernelexec._core._session import AsyncSession
 from kernelexec._core._state import Lifecycle
+from kernelexec._models import Restored
 from kernelexec._recording import SessionRecorder
 
 Key = tuple[str, str]
@@ -117,3 +119,55 @@ class KnownSessions:
             self._lost[key] = lost
             while len(self._lost) > _MAX_REMEMBERED_LOSSES:
                 self._lost.popitem(last=False)
+
+
+class RegistryEntry:
+    """A session's place in its executor's registry and budget, kept by watching its lease:
+    parked (held weakly, no longer a candidate for eviction) when its kernel is given back,
+    held again when it gets one.
+
+    Args:
+        known: The executor's registry.
+        budget: The executor's kernel budget.
+        key: The session's key.
+        lease: The session's lease.
+    """
+
+    def __init__(
+        self, known: KnownSessions, budget: KernelBudget, key: Key, lease: KernelLease
+    ) -> None:
+        self._known = known
+        self._budget = budget
+        self._key = key
+        self._lease = lease
+        self._parked = False
+
+    async def attaching(self) -> None:
+        """The registry follows kernels once attached."""
+
+    async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
+        """A parked session got a kernel again (its caller held it): hold it again."""
+        if self._parked:
+            self._parked = False
+            self._known.unpark(self._key)
+            self._budget.register(self._lease)
+        return None
+
+    async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
+        """The kernel is given back (evicted, hibernated): the registry holds the session
+        weakly from now on (it may be collected at once: watchers that keep its state come
+        before this one)."""
+        if why in ("evict", "saved"):
+            self._parked = True
+            session = self._known.park(self._key)
+            if session is not None:
+                self._budget.forget(self._lease)
+        return False
+
+    async def after_run(
+        self, kernel: LeasedKernel | None, extras: Mapping[str, Any] | None
+    ) -> None:
+        """Runs do not move the session in the registry."""
+
+    def gone(self) -> None:
+        """The executor forgets the session itself (``KnownSessions.forget``)."""

@@ -1,11 +1,12 @@
 """``SessionState``: one session's durable state: saving it from its kernel into the store,
 restoring it into a fresh kernel, and the after-call checkpoints.
 
-The session's lease calls it, always while it holds the session (no call runs meanwhile):
-``attached`` when a fresh kernel is attached, ``save`` before the kernel goes, ``after_call``
-with what the kernel side reported after a call, ``invalidate`` when the kernel's state was
-lost another way. It talks to the kernel through a runner the lease gives it (one of
-kernelexec's own requests), never to a connection.
+It is a watcher of the session's lease (see ``kernelexec._core._lease.KernelWatcher``), told
+always while the session is held (no call runs meanwhile): ``attached`` when a fresh kernel is
+attached (the state is restored into it), ``leaving`` before the kernel goes (saved when it is
+evicted, stale when it was lost), ``after_run`` with what the kernel side reported after a call.
+The session's ``hibernate`` delegates to :meth:`SessionState.hibernate`. It talks to the kernel
+through the runner the lease hands it (one of kernelexec's own requests), never to a connection.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ import logging
 import os
 import stat
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from kernelexec import _trees
 from kernelexec._durable import _files
@@ -31,6 +33,9 @@ from kernelexec._models import Hibernation, Restored
 from kernelexec._observability._logtext import untrusted
 from kernelexec._observability._otel import telemetry
 from kernelexec._protocol._install import ExecuteRequest, Installed, KernelModule, install_request
+
+if TYPE_CHECKING:
+    from kernelexec._core._lease import Arrival, LeasedKernel, Leaving
 
 log = logging.getLogger("kernelexec")
 
@@ -47,6 +52,51 @@ _TIMEOUT = 600.0
 KERNEL_MODULE = KernelModule(ks.MODULE_NAME, ks.__name__, entry=None, keep=True)
 """Durable state's kernel half: a kernel that has it keeps it (and what it remembers of the
 last save), whatever the request carries."""
+
+
+class Hibernating(Protocol):
+    """What :meth:`SessionState.hibernate` and a hand-over need of the session's lease."""
+
+    @property
+    def kernel(self) -> LeasedKernel | None:
+        """The attached kernel, if any."""
+
+    @property
+    def has_kernel(self) -> bool:
+        """Whether a kernel is attached now."""
+
+    @property
+    def busy(self) -> bool:
+        """Whether a call runs or waits to run."""
+
+    def hold(self) -> AbstractAsyncContextManager[None]:
+        """Exclusive use of the session, after the calls made before."""
+
+    async def give_back(self, why: Literal["evict", "saved"]) -> None:
+        """Give the kernel back now (the caller holds the lease)."""
+
+
+class _Handing:
+    """A session's lease as a hand-over to another executor sees it (``_handoff.Holdable``):
+    hibernated through the session's state."""
+
+    def __init__(self, lease: Hibernating, state: SessionState) -> None:
+        self._lease = lease
+        self._state = state
+
+    def hold(self) -> AbstractAsyncContextManager[None]:
+        return self._lease.hold()
+
+    @property
+    def has_kernel(self) -> bool:
+        return self._lease.has_kernel
+
+    @property
+    def busy(self) -> bool:
+        return self._lease.busy
+
+    async def hibernate(self) -> Hibernation:
+        return await self._state.hibernate(self._lease)
 
 
 class SessionState:
@@ -121,6 +171,12 @@ class SessionState:
         self._taken_after = self._manifest.gen if self._manifest is not None else -1
         self._loaded, self._files = False, None
 
+    def serve_handovers(self, lease: Hibernating) -> None:
+        """Let another executor that asks for the agent have it: ``lease`` (the session's) is
+        hibernated for it."""
+        if self.claim is not None:
+            self.claim.lease = _Handing(lease, self)
+
     def let_agent_go(self) -> None:
         """The session's kernel is gone: another executor may take the agent."""
         if self.claim is not None:
@@ -128,21 +184,27 @@ class SessionState:
 
     # -- a fresh kernel -----------------------------------------------------------------------
 
-    async def attached(
-        self,
-        run: Runner,
-        generation: int,
-        hand_over: Callable[[], Awaitable[None]],
-        branched: bool = False,
-    ) -> tuple[Restored | None, list[str]]:
-        """A fresh kernel (number ``generation``) is attached: restore the saved state into it
-        when there is one; return what came back and the names that did not. ``hand_over``
-        gives the working directory (restored files included) to the kernel's user. A
-        ``branched`` kernel (a fork, a restored snapshot) has its state: the saved one is
-        stale and deleted, and the kernel forgets what it remembers of its origin's saves."""
+    async def attaching(self) -> None:
+        """The session is about to take a kernel: hold the agent first (:meth:`hold_agent`).
+
+        Raises:
+            AgentBusyError: another executor holds it and did not hand it over.
+        """
+        await self.hold_agent()
+
+    async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
+        """A kernel is attached: restore the saved state into a fresh one when there is one;
+        return what came back (its ``not_restored`` names are reported lost). The working
+        directory (restored files included) is handed to the kernel's user first. A
+        ``"branched"`` kernel (a fork, a restored snapshot) has its state: the saved one is
+        stale and deleted, and the kernel forgets what it remembers of its origin's saves. The
+        ``"same"`` kernel on a new connection changes nothing."""
+        if how == "same":
+            return None
+        run, generation = kernel.ask, kernel.generation
         self._installed.forget()
         self._hook_broken = False
-        if branched:
+        if how == "branched":
             await asyncio.to_thread(self._invalidate)
         if not self._loaded:
             self._loaded = True
@@ -155,12 +217,13 @@ class SessionState:
             self._taken_after = None
             if newer:  # another executor ran the agent: this directory's files are stale
                 await asyncio.to_thread(_files.empty, self.workdir)
-        restored, lost = None, []
+        restored = None
         if self._to_restore:
             self._to_restore = False
             with telemetry().span("state.restore", {"kernelexec.agent_id": self.agent_id}):
-                restored = await self._restore(run, generation, hand_over)
-            lost = sorted(restored.not_restored)
+                restored = await self._restore(
+                    run, generation, lambda: kernel.conn.enter_workdir(kernel.workdir)
+                )
         else:
             # A new or branched kernel: no memory of earlier saves may be reused (a fork
             # remembers its parent's), and the after-call hook is set for this session.
@@ -171,7 +234,63 @@ class SessionState:
         if self._manifest is None or self._manifest.unfinished:
             self._marking, self._marked = True, None
             await self.names_seen(())
-        return restored, lost
+        return restored
+
+    async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
+        """The kernel is about to go: saved when evicted (True: the state is kept; a failed
+        save is logged and the state lost), stale when it was lost; given back (evicted,
+        hibernated), the agent is let go for other executors."""
+        kept = False
+        if why == "evict":
+            try:
+                await self.save(kernel.ask, kernel.generation)
+                self.kernel_gone()
+                kept = True
+            except StateError as exc:
+                log.warning(
+                    "agent %r: hibernating failed, state lost: %s", self.agent_id, untrusted(exc)
+                )
+                await self.invalidate()
+        elif why == "saved":
+            self.kernel_gone()
+        if why == "lost":
+            await self.invalidate()  # the agent stays held: a fresh kernel follows
+        else:
+            self.let_agent_go()  # saved (or lost), and no call reaches that kernel any more
+        return kept
+
+    async def after_run(
+        self, kernel: LeasedKernel | None, extras: Mapping[str, Any] | None
+    ) -> None:
+        """Commit the checkpoint the kernel side made after a call (``after_call``), or (before
+        the session's first checkpoint) mark on disk the names a killed host loses."""
+        if kernel is None or extras is None:
+            return
+        if self.checkpoint == "after_call":
+            await self.after_call(extras.get(ks.HOOK_KEY), kernel.ask, kernel.generation)
+        await self.names_seen(kernel.names)
+
+    def gone(self) -> None:
+        """The session is gone (nothing to let go of: the store is the executor's)."""
+
+    async def hibernate(self, lease: Hibernating) -> Hibernation:
+        """Save the state and give the kernel back (the caller holds ``lease``); what is on
+        disk when the session has no kernel.
+
+        Raises:
+            StateError: the state could not be saved (the kernel is kept, the older
+                checkpoint deleted).
+        """
+        kernel = lease.kernel
+        if kernel is None:
+            return await self.on_disk()
+        try:
+            saved = await self.save(kernel.ask, kernel.generation)
+        except StateError:
+            await self.invalidate()  # the kernel keeps the state; the disk never lags it
+            raise
+        await lease.give_back("saved")
+        return saved
 
     async def names_seen(self, names: tuple[str, ...]) -> None:
         """The session's kernel holds ``names`` now. Until its first checkpoint, a marker on

@@ -2,17 +2,19 @@
 
 The helpers are installed on a kernel's first file or command operation (one execute request,
 which also enters the session's working directory when it is the kernel's first request) and
-again in every fresh kernel after a restart.
+again in every fresh kernel after a restart. The link is a watcher of the session's lease (see
+``kernelexec._core._lease.KernelWatcher``): told of each fresh kernel, and of the session's end,
+after which every operation raises ``ExecutorClosedError``.
 """
 
 from __future__ import annotations
 
 import builtins
-from collections.abc import Callable, Collection
+from collections.abc import Collection, Mapping
 from contextlib import AbstractAsyncContextManager
-from typing import Any, NoReturn, Protocol
+from typing import TYPE_CHECKING, Any, NoReturn, Protocol
 
-from kernelexec._exceptions import FileTransferError
+from kernelexec._exceptions import ExecutorClosedError, FileTransferError
 from kernelexec._files._wire import (
     FILES_REPLY,
     FILES_REQUEST,
@@ -23,14 +25,19 @@ from kernelexec._files._wire import (
     raise_for_reply,
     wait_reply,
 )
+from kernelexec._models import Restored
 from kernelexec._protocol._host import with_configure
 from kernelexec._protocol._install import Installed
 from kernelexec.backends._base import KernelConnection, KernelMessage
+
+if TYPE_CHECKING:
+    from kernelexec._core._lease import Arrival, LeasedKernel, Leaving
 
 
 class LinkLease(Protocol):
     """What the helpers need of a session's hold on its kernel (``KernelLease`` is one)."""
 
+    agent_id: str
     generation: int
 
     def hold(self) -> AbstractAsyncContextManager[None]:
@@ -54,18 +61,38 @@ class KernelLink:
     installing the helpers in each fresh kernel), one request, and what a stalled one means.
     Every method is used with the session's lock held."""
 
-    def __init__(
-        self, lease: LinkLease, check_open: Callable[[], None], workdir: str, timeout: float
-    ) -> None:
+    def __init__(self, lease: LinkLease, workdir: str, timeout: float) -> None:
         self.lease = lease
-        self._check_open = check_open
         self._workdir = workdir
         self.timeout = timeout
         self._installed = Installed()
+        self._gone = False
+
+    async def attaching(self) -> None:
+        """The helpers wait for the kernel."""
+
+    async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
+        """A fresh kernel: it has no helpers yet (even a fork of one that had them)."""
+        self._installed.forget()
+        return None
+
+    async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
+        """The kernel goes (its helpers with it)."""
+        return False
+
+    async def after_run(
+        self, kernel: LeasedKernel | None, extras: Mapping[str, Any] | None
+    ) -> None:
+        """Runs do not concern the helpers."""
+
+    def gone(self) -> None:
+        """The session closed: no more operations."""
+        self._gone = True
 
     async def connect(self) -> KernelConnection:
         """The session's kernel, with the files helper installed."""
-        self._check_open()
+        if self._gone:
+            raise ExecutorClosedError(f"session {self.lease.agent_id!r} is closed")
         conn, lost = await self.lease.attach()
         self.lease.put_back_lost(lost)  # a file operation is not the run that reports them
         if not conn.custom_messages:
