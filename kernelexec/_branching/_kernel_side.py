@@ -1,7 +1,7 @@
 """The kernel half of branching: forking a live kernel into a frozen template, and turning a
 fork of that template into a kernel of its own.
 
-Standard-library Python, sent to the kernel as text and run there as the module
+Standard-library Python, installed in the kernel as text (a kernel module), run there as
 :data:`MODULE_NAME` (ipykernel, pyzmq and tornado are looked up at run time, never imported by
 name: another kernel may lack them). Three processes take part:
 

@@ -1,4 +1,4 @@
-"""The host's handles on the processes of branching: the kernel-side text installed in a live
+"""The host's handles on the processes of branching: the kernel half installed in a live
 kernel, the request that forks a template from it, and a template's control socket (the backend
 interface's :class:`~kernelexec.backends._base.KernelTemplate`, from which a backend's
 :class:`~kernelexec.backends._base.KernelFamily` forks branch kernels).
@@ -10,34 +10,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.resources
 import json
 import os
 import signal
 import socket
 import struct
 import threading
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from kernelexec import _trees
 from kernelexec._branching import _kernel_side as kernel_side
 from kernelexec._exceptions import BranchError
-from kernelexec.backends._base import KernelConnection, KernelDied, KernelFamily
+from kernelexec._protocol._install import KernelModule, install_request
+from kernelexec.backends._base import KernelConnection, KernelFamily, Stalled
+from kernelexec.backends._base import ask as ask_kernel
 
-_INSTALL = (
-    "def __kx_branch_install():\n"
-    "    import sys, types\n"
-    "    from IPython import get_ipython\n"
-    "    meta = get_ipython().kernel.get_parent()['metadata']['kernelexec_branch']\n"
-    f"    mod = types.ModuleType({kernel_side.MODULE_NAME!r})\n"
-    "    mod.__dict__['__name__'] = mod.__name__\n"
-    f"    sys.modules[{kernel_side.MODULE_NAME!r}] = mod\n"
-    "    exec(compile(meta['source'], '<kernelexec branching>', 'exec'), mod.__dict__)\n"
-    "    mod.install()\n"
-    "__kx_branch_install(); del __kx_branch_install\n"
-)
+KERNEL_MODULE = KernelModule(kernel_side.MODULE_NAME, kernel_side.__name__)
+"""Branching's kernel half, installed afresh in each live kernel that is forked from."""
 
 
 async def ask(
@@ -48,25 +38,20 @@ async def ask(
     timeout: float,
     metadata: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """Send one shell request and return its reply's content (other messages are dropped:
-    the caller holds the session, so nothing else is in flight).
+    """Send one shell request and return its reply's content (through
+    :func:`kernelexec.backends._base.ask`).
 
     Raises:
         BranchError: the kernel died or did not answer within ``timeout`` seconds.
     """
-    msg_id = await conn.send("shell", msg_type, content, metadata=metadata)
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise BranchError(f"the kernel did not answer a {msg_type} in {timeout:g} s")
-        msg = await conn.receive(left)
-        if isinstance(msg, KernelDied):
-            raise BranchError(f"the kernel died while forking ({msg.reason})")
-        if msg is not None and msg.channel == "shell" and msg.parent_id == msg_id:
-            if msg.msg_type != reply_type:
-                raise BranchError(f"the kernel answered {msg.msg_type}, not {reply_type}")
-            return msg.content
+    got = await ask_kernel(
+        conn, msg_type, content, reply_type=reply_type, timeout=timeout, metadata=metadata
+    )
+    if isinstance(got, Stalled):
+        if got.died is not None:
+            raise BranchError(f"the kernel died while forking ({got.died.reason})")
+        raise BranchError(f"the kernel did not answer a {msg_type} in {timeout:g} s")
+    return got.content
 
 
 async def install(conn: KernelConnection, timeout: float) -> None:
@@ -75,22 +60,14 @@ async def install(conn: KernelConnection, timeout: float) -> None:
     Raises:
         BranchError: it could not be installed (the reply says why).
     """
-    source = importlib.resources.files(__package__).joinpath("_kernel_side.py").read_text()
-    content = {
-        "code": _INSTALL,
-        "silent": True,
-        "store_history": False,
-        "user_expressions": {},
-        "allow_stdin": False,
-        "stop_on_error": False,
-    }
+    request = install_request([KERNEL_MODULE])
     reply = await ask(
         conn,
-        "execute_request",
-        content,
-        "execute_reply",
+        request.msg_type,
+        request.content(),
+        request.reply_type,
         timeout,
-        metadata={"kernelexec_branch": {"source": source}},
+        metadata=request.metadata,
     )
     if reply.get("status") != "ok":
         raise BranchError(

@@ -9,7 +9,6 @@ that call's request and are gone from the kernel when it ends.
 
 from __future__ import annotations
 
-import importlib.resources
 import sys
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -18,9 +17,13 @@ from kernelexec._codemode import _kernel_side as kernel_side
 from kernelexec._codemode._functions import HostFunction
 from kernelexec._exceptions import ConfigError
 from kernelexec._models import HostFunctions as HostFunctions
-from kernelexec._protocol._host import ExecuteRequest
+from kernelexec._protocol._install import ExecuteRequest, Installed, KernelModule, install_request
 
 DEFAULT_MODULE = "tools"
+
+KERNEL_MODULE = KernelModule(kernel_side.MODULE_NAME, kernel_side.__name__, keep=True)
+"""Code mode's kernel half: kept by a kernel that has it (a fork's), whose ``install`` then
+only applies the modules the request carries."""
 
 
 class Exposure:
@@ -29,7 +32,7 @@ class Exposure:
     def __init__(self, bounds: Mapping[str, int] | None = None) -> None:
         self._bounds = dict(bounds or {})  # applied by the kernel half before it sends
         self.modules: dict[str, dict[str, HostFunction]] = {}
-        self._generation = -1  # the kernel that has the kernel half installed
+        self._installed = Installed()  # the kernel that has the kernel half
         self._sent: set[str] = set()  # modules that kernel has in their current version
 
     @property
@@ -49,44 +52,24 @@ class Exposure:
 
     def installed_on(self, generation: int) -> bool:
         """Whether kernel ``generation`` has the kernel half."""
-        return self._generation == generation
+        return self._installed.on(generation)
 
     def install_request(self) -> ExecuteRequest:
         """The request that installs the kernel half (where missing) with every module exposed
         so far (call :meth:`installed` when it succeeded)."""
-        source = importlib.resources.files(__package__).joinpath("_kernel_side.py").read_text()
-        code = (
-            "def __kx_codemode():\n"
-            "    import sys, types\n"
-            "    from IPython import get_ipython\n"
-            "    meta = get_ipython().kernel.get_parent()['metadata']\n"
-            f"    name = {kernel_side.MODULE_NAME!r}\n"
-            "    if name not in sys.modules:\n"
-            "        mod = types.ModuleType(name)\n"
-            "        exec(compile(meta['kernelexec_codemode_source'], '<kernelexec codemode>',"
-            " 'exec'), mod.__dict__)\n"
-            "        sys.modules[name] = mod\n"
-            "        mod.install()\n"
-            "    else:\n"
-            f"        sys.modules[name]._apply(meta[{kernel_side.METADATA_KEY!r}])\n"
-            "__kx_codemode(); del __kx_codemode\n"
-        )
-        return ExecuteRequest(
-            code=code,
-            silent=True,
-            store_history=False,
+        return install_request(
+            [KERNEL_MODULE],
             metadata={
-                "kernelexec_codemode_source": source,
                 kernel_side.METADATA_KEY: {
                     "modules": self._specs(self.modules),
                     "bounds": self._bounds,
-                },
+                }
             },
         )
 
     def installed(self, generation: int) -> None:
         """The kernel half and every module are in kernel ``generation`` now."""
-        self._generation = generation
+        self._installed.mark(generation)
         self._sent = set(self.modules)
 
     def run_metadata(

@@ -242,11 +242,15 @@ class _HostDefault:
 
 
 def install() -> None:
-    """Set up code mode in this kernel (once per kernel): the reply handler and run hooks."""
+    """Set up code mode in this kernel (once per kernel: the reply handler and run hooks) and
+    apply the modules the request carries (all a kept copy does, in a forked kernel)."""
     from IPython import get_ipython
 
     shell = get_ipython()
     kernel = shell.kernel
+    if _state.kernel is not None:
+        _apply(kernel.get_parent().get("metadata", {}).get(METADATA_KEY) or {})
+        return
     _state.kernel = kernel
     kernel.control_handlers[HOST_REPLY] = _on_reply
     publish = kernel._publish_status

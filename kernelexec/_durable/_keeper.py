@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.resources
 import json
 import logging
 import os
@@ -33,7 +32,7 @@ from kernelexec._exceptions import CheckpointTooLargeError, StateError
 from kernelexec._models import Hibernation, Restored
 from kernelexec._observability._logtext import untrusted
 from kernelexec._observability._otel import telemetry
-from kernelexec._protocol._host import ExecuteRequest
+from kernelexec._protocol._install import ExecuteRequest, Installed, KernelModule, install_request
 
 if TYPE_CHECKING:
     from kernelexec._core._lease import Arrival, LeasedKernel, Leaving
@@ -50,18 +49,9 @@ _ENDED = "the host ended before the session's first checkpoint"
 _KEY = "kx_state"
 _META = "kernelexec_state"
 _TIMEOUT = 600.0
-_INSTALL = (
-    "def __kx_state():\n"
-    "    import sys, types\n"
-    "    from IPython import get_ipython\n"
-    f"    if {ks.MODULE_NAME!r} in sys.modules:\n"
-    "        return\n"
-    f"    meta = get_ipython().kernel.get_parent()['metadata'][{_META!r}]\n"
-    f"    mod = types.ModuleType({ks.MODULE_NAME!r})\n"
-    "    exec(compile(meta['source'], '<kernelexec state>', 'exec'), mod.__dict__)\n"
-    f"    sys.modules[{ks.MODULE_NAME!r}] = mod\n"
-    "__kx_state(); del __kx_state\n"
-)
+KERNEL_MODULE = KernelModule(ks.MODULE_NAME, ks.__name__, entry=None, keep=True)
+"""Durable state's kernel half: a kernel that has it keeps it (and what it remembers of the
+last save), whatever the request carries."""
 
 
 class Hibernating(Protocol):
@@ -109,10 +99,6 @@ class _Handing:
         return await self._state.hibernate(self._lease)
 
 
-def _source() -> str:
-    return importlib.resources.files(__package__).joinpath("_kernel_state.py").read_text()
-
-
 class SessionState:
     """See the module docstring.
 
@@ -158,7 +144,7 @@ class SessionState:
         self._problems: list[str] = []
         self._loaded = False
         self._to_restore = False
-        self._installed_in = -1
+        self._installed = Installed()
         self._hook_broken = False  # an after-call checkpoint failed: off until the next kernel
         self._files: tuple[_files.Signature, dict[str, Any] | None] | None = None
         self._marking = False  # no checkpoint yet: a marker on disk lists the names
@@ -216,7 +202,7 @@ class SessionState:
         if how == "same":
             return None
         run, generation = kernel.ask, kernel.generation
-        self._installed_in = -1
+        self._installed.forget()
         self._hook_broken = False
         if how == "branched":
             await asyncio.to_thread(self._invalidate)
@@ -631,25 +617,23 @@ class SessionState:
     def _invalidate(self) -> None:
         self.store.invalidate(self.agent_id, self.env)
         self._manifest, self._files, self._to_restore, self._loaded = None, None, False, True
-        self._installed_in = -1  # the kernel's memory of the last save is stale too
+        self._installed.forget()  # the kernel's memory of the last save is stale too
 
     # -- talking to the kernel ----------------------------------------------------------------
 
     async def _ask(self, run: Runner, generation: int, op: str, args: dict[str, Any]) -> Any:
         meta: dict[str, Any] = {"op": op, "args": args}
-        if self._installed_in != generation:
-            meta["source"] = _source()
+        fresh = not self._installed.on(generation)
+        if fresh:
             meta["hook"] = {
                 "staging": str(self.staging),
                 "limit": self.limit,
                 "on": self.checkpoint == "after_call" and not self._hook_broken,
             }
-        request = ExecuteRequest(
-            code=_INSTALL,
-            silent=True,
-            store_history=False,
-            user_expressions={_KEY: f"__import__({ks.MODULE_NAME!r}).handle()"},
+        request = install_request(
+            [KERNEL_MODULE] if fresh else [],
             metadata={_META: meta},
+            user_expressions={_KEY: f"__import__({ks.MODULE_NAME!r}).handle()"},
         )
         try:
             reply = await run(request, _TIMEOUT)
@@ -659,7 +643,7 @@ class SessionState:
         if entry.get("status") != "ok":
             why = entry.get("evalue") or reply.get("evalue") or "no answer"
             raise StateError(f"the kernel side failed: {entry.get('ename', '')}: {why}")
-        self._installed_in = generation
+        self._installed.mark(generation)
         text = (entry.get("data") or {}).get(ks.RESULT_MIME)
         if not isinstance(text, str):
             raise StateError("the kernel side gave no answer")

@@ -1,6 +1,7 @@
 """The kernel half of durable sessions: saving the user's namespace to staged record files and
-loading it back. Sent to the kernel as text; standard library only (``cloudpickle`` is used
-when the kernel has it, so that functions and classes defined in the kernel are saved by value).
+loading it back. Installed in the kernel as text (a kernel module); standard library only
+(``cloudpickle`` is used when the kernel has it, so that functions and classes defined in the
+kernel are saved by value).
 
 A checkpoint is a set of records, each one file in the staging directory:
 

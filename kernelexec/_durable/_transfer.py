@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import importlib.resources
 import json
 import logging
 import os
@@ -31,7 +30,7 @@ from kernelexec._durable._keeper import Runner, SessionState, _checked_records
 from kernelexec._durable._store import Manifest, now_iso
 from kernelexec._exceptions import CheckpointTooLargeError, StateError
 from kernelexec._observability._logtext import untrusted
-from kernelexec._protocol._host import ExecuteRequest
+from kernelexec._protocol._install import Installed, KernelModule, install_request
 
 CHUNK = 2 << 20
 """Bytes per request: base64 makes 2.7 MiB of it, under a gateway's 10 MiB message limit."""
@@ -41,29 +40,15 @@ _KEY = "kx_transfer"
 _META = "kernelexec_transfer"
 _TIMEOUT = 120.0
 _RECORD = re.compile(r"^r[0-9a-f]{24}\.rec$")
-_INSTALL = (
-    "def __kx_transfer():\n"
-    "    import sys, types\n"
-    "    from IPython import get_ipython\n"
-    f"    if {kt.MODULE_NAME!r} in sys.modules:\n"
-    "        return\n"
-    f"    meta = get_ipython().kernel.get_parent()['metadata'][{_META!r}]\n"
-    f"    mod = types.ModuleType({kt.MODULE_NAME!r})\n"
-    "    exec(compile(meta['source'], '<kernelexec transfer>', 'exec'), mod.__dict__)\n"
-    f"    sys.modules[{kt.MODULE_NAME!r}] = mod\n"
-    "__kx_transfer(); del __kx_transfer\n"
-)
-
-
-def _source() -> str:
-    return importlib.resources.files(__package__).joinpath("_kernel_transfer.py").read_text()
+KERNEL_MODULE = KernelModule(kt.MODULE_NAME, kt.__name__, entry=None, keep=True)
+"""The transfer's kernel half: a kernel that has it keeps it."""
 
 
 class KernelChannel:
     """Files in and out of the kernel's staging directory through its runner."""
 
     def __init__(self) -> None:
-        self._installed_in = -1
+        self._installed = Installed()
 
     async def ask(self, run: Runner, generation: int, op: str, **args: Any) -> dict[str, Any]:
         """One operation of the kernel half; its answer.
@@ -72,14 +57,10 @@ class KernelChannel:
             StateError: the kernel did not answer, or answered with an error.
         """
         meta: dict[str, Any] = {"op": op, "args": args}
-        if self._installed_in != generation:
-            meta["source"] = _source()
-        request = ExecuteRequest(
-            code=_INSTALL,
-            silent=True,
-            store_history=False,
-            user_expressions={_KEY: f"__import__({kt.MODULE_NAME!r}).handle()"},
+        request = install_request(
+            [] if self._installed.on(generation) else [KERNEL_MODULE],
             metadata={_META: meta},
+            user_expressions={_KEY: f"__import__({kt.MODULE_NAME!r}).handle()"},
         )
         try:
             reply = await run(request, _TIMEOUT)
@@ -92,7 +73,7 @@ class KernelChannel:
         if entry.get("status") != "ok" or not isinstance(text, str):
             why = entry.get("evalue") or reply.get("evalue") or "no answer"
             raise StateError(f"moving the checkpoint failed in the kernel: {why}")
-        self._installed_in = generation
+        self._installed.mark(generation)
         answer = json.loads(text)
         if not isinstance(answer, dict):
             raise StateError("the kernel's transfer answer is not an object")

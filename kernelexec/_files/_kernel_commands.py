@@ -1,17 +1,17 @@
 """The background-commands helper that kernelexec installs inside a kernel with the files helper.
 
-Sent as text and run in the kernel as the module ``__kernelexec_commands__``; standard library
-only. It serves :data:`COMMAND_REQUEST`: ``start`` a command in the background (its own process
-group, stdin at EOF, stdout and stderr read from pipes into the kernel's memory, at most 16 MiB
-each between polls), ``poll`` it (its exit code once it ended, and the output since the last
-poll, as binary buffers), and
-``signal`` its process group. Every request returns at once (``poll`` waits at most a moment for
-the command to end), so the session's other calls, a file read for one, run while a command
-does.
+A kernel module (installed as text by ``kernelexec._protocol._install``) run in the kernel as
+``__kernelexec_commands__``; standard library only. It serves :data:`COMMAND_REQUEST`: ``start``
+a command in the background (its own process group, stdin at EOF, stdout and stderr read from
+pipes into the kernel's memory, at most 16 MiB each between polls), ``poll`` it (its exit code
+once it ended, and the output since the last poll, as binary buffers), and ``signal`` its
+process group. Every request returns at once (``poll`` waits at most a moment for the command to
+end), so the session's other calls, a file read for one, run while a command does.
 
 Commands never outlive their kernel, however it ends: each runs under a small supervisor
-(:data:`SUPERVISOR`) that kills the command's process group when the kernel is gone; at
-``"process"`` and ``"bwrap"`` kernelexec also reaps every descendant of a kernel.
+(``_kernel_supervisor.py``, its code handed over at install) that kills the command's process
+group when the kernel is gone; at ``"process"`` and ``"bwrap"`` kernelexec also reaps every
+descendant of a kernel.
 """
 
 from __future__ import annotations
@@ -37,40 +37,7 @@ _LINGER = 1.0  # seconds after a command ended that its pipes may stay open
 _Reply = tuple[dict[str, Any], list[Any]]
 
 
-SUPERVISOR = """# kernelexec command supervisor
-import os, select, signal, subprocess, sys
-alive = int(sys.argv[1])
-try:
-    child = subprocess.Popen(sys.argv[2:], stdin=subprocess.DEVNULL)
-except FileNotFoundError as exc:
-    sys.stderr.write(f"{sys.argv[2]}: command not found ({exc.strerror})\\n")
-    sys.exit(127)
-except PermissionError as exc:
-    sys.stderr.write(f"{sys.argv[2]}: {exc.strerror}\\n")
-    sys.exit(126)
-watch = select.poll()  # not select(): it cannot take a descriptor above 1023
-watch.register(alive, select.POLLIN)
-waiting = 500
-try:
-    watch.register(os.pidfd_open(child.pid), select.POLLIN)
-    waiting = None
-except (AttributeError, OSError):
-    pass
-while child.poll() is None:
-    ready = [fd for fd, _ in watch.poll(waiting)]
-    if alive in ready:
-        os.killpg(0, signal.SIGKILL)
-code = child.returncode
-if code < 0:
-    signal.signal(-code, signal.SIG_DFL)
-    os.kill(os.getpid(), -code)
-sys.exit(code)
-"""
-"""Runs one command as its child, in the process group the supervisor leads, and kills that
-group when the kernel dies (the read end of a pipe whose write end only the kernel holds
-reaches end of file): a command never outlives its kernel, whatever killed the kernel. Exits
-as the command did; 127 when the program does not exist."""
-
+_supervisor: list[str] = []  # the supervisor's code (``_kernel_supervisor.py``), from install
 _alive: list[int] = []  # the write end of the kernel's liveness pipe, once made
 
 
@@ -82,7 +49,7 @@ class _Command:
         if not _alive:
             read_end, write_end = os.pipe()  # neither is inherited unless passed
             _alive[:] = [read_end, write_end]
-        supervisor = [sys.executable, "-I", "-S", "-c", SUPERVISOR, str(_alive[0])]
+        supervisor = [sys.executable, "-I", "-S", "-c", _supervisor[0], str(_alive[0])]
         self.proc = subprocess.Popen(
             [*supervisor, *argv],
             stdin=subprocess.DEVNULL,
@@ -157,9 +124,12 @@ def _kill_all() -> None:
             command.kill_group(signal.SIGKILL)
 
 
-def install() -> bool:
-    """Register the handler of :data:`COMMAND_REQUEST`; False when this ipykernel has none."""
+def install(supervisor: str) -> bool:
+    """Register the handler of :data:`COMMAND_REQUEST`, whose commands run under the
+    ``supervisor`` code; False when this ipykernel has no handler table."""
     from IPython import get_ipython
+
+    _supervisor[:] = [supervisor]
 
     kernel = get_ipython().kernel
     handlers = getattr(kernel, "shell_handlers", None)

@@ -36,9 +36,6 @@ FILES_REQUEST = "kernelexec_files_request"
 
 FILES_REPLY = "kernelexec_files_reply"
 
-SERVES_PAYLOAD = "kernelexec.files"
-"""The ``source`` of the install reply's payload that says the handler is registered."""
-
 REFUSED = "refused"
 """The error kind of a path that leaves the working directory (or is not a regular file)."""
 

@@ -27,6 +27,7 @@ from kernelexec._files._wire import (
 )
 from kernelexec._models import Restored
 from kernelexec._protocol._host import with_configure
+from kernelexec._protocol._install import Installed
 from kernelexec.backends._base import KernelConnection, KernelMessage
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class KernelLink:
         self.lease = lease
         self._workdir = workdir
         self.timeout = timeout
-        self._installed: tuple[int, int] | None = None  # (connection, generation)
+        self._installed = Installed()
         self._gone = False
 
     async def attaching(self) -> None:
@@ -72,7 +73,7 @@ class KernelLink:
 
     async def attached(self, kernel: LeasedKernel, how: Arrival) -> Restored | None:
         """A fresh kernel: it has no helpers yet (even a fork of one that had them)."""
-        self._installed = None
+        self._installed.forget()
         return None
 
     async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
@@ -98,7 +99,7 @@ class KernelLink:
             raise FileTransferError(
                 "this backend does not carry kernelexec's own messages; file operations need them"
             )
-        if self._installed != (id(conn), self.lease.generation):
+        if not self._installed.on(self.lease.generation, conn):
             await self._install(conn)
         return conn
 
@@ -120,7 +121,7 @@ class KernelLink:
         if got.content.get("status") != "ok" or not installed(got.content):
             why = got.content.get("evalue") or "this ipykernel has no shell handler table"
             raise FileTransferError(f"the kernel cannot serve file operations: {why}")
-        self._installed = (id(conn), self.lease.generation)
+        self._installed.mark(self.lease.generation, conn)
 
     async def request(
         self,
@@ -168,7 +169,7 @@ class KernelLink:
     async def _stalled(self, stalled: Stalled, what: str) -> NoReturn:
         """The kernel died, or did not answer in time (a shell handler cannot be interrupted
         into answering): either way it is replaced, and the next run says so."""
-        self._installed = None
+        self._installed.forget()
         await self.lease.lose_state()
         if stalled.died is not None:
             raise FileTransferError(f"the kernel died during {what} ({stalled.died.reason})")

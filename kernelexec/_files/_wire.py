@@ -1,22 +1,20 @@
 """The host half of the files protocol: checking paths, the install request, one exchange of a
 request and its reply, and the reply's errors as exceptions.
 
-Its counterpart runs inside the kernel (``_kernel_files.py``, sent as text on a kernel's first
-file operation); the constants both halves need are defined there and imported here.
+Its counterpart runs inside the kernel (``_kernel_files.py`` and ``_kernel_commands.py``,
+kernel modules installed on a kernel's first file operation); the constants both halves need
+are defined there and imported here. A request is asked with :func:`kernelexec.backends._base.ask`.
 """
 
 from __future__ import annotations
 
 import errno
-import importlib.resources
 import os
-import time
-from collections.abc import Collection
-from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
+from kernelexec import _proctitle
 from kernelexec._exceptions import (
     FileTransferError,
     PathRefusedError,
@@ -29,15 +27,18 @@ from kernelexec._exceptions import (
 )
 from kernelexec._files import _kernel_commands as kernel_commands
 from kernelexec._files import _kernel_files as kernel_files
-from kernelexec._protocol._host import ExecuteRequest
+from kernelexec._files import _kernel_supervisor as kernel_supervisor
+from kernelexec._protocol import _install
+from kernelexec._protocol._install import ExecuteRequest, KernelModule
 from kernelexec._public import public
-from kernelexec.backends._base import KernelConnection, KernelDied, KernelMessage
+from kernelexec.backends._base import Stalled as Stalled
+from kernelexec.backends._base import ask
+from kernelexec.backends._base import wait_reply as wait_reply
 
 FILES_REQUEST = kernel_files.FILES_REQUEST
 FILES_REPLY = kernel_files.FILES_REPLY
 COMMAND_REQUEST = kernel_commands.COMMAND_REQUEST
 COMMAND_REPLY = kernel_commands.COMMAND_REPLY
-_METADATA_KEY = "kernelexec_files"
 
 DEFAULT_CHUNK = 4 << 20
 """Bytes per message. Well under the 10 MiB a Jupyter Server websocket accepts by default
@@ -97,88 +98,35 @@ def check_path(path: Any) -> str:
     return "/".join(parts) or "."
 
 
+FILES_MODULE = KernelModule(kernel_files.MODULE_NAME, kernel_files.__name__)
+COMMANDS_MODULE = KernelModule(kernel_commands.MODULE_NAME, kernel_commands.__name__)
+
+
+exchange = ask
+"""One files or commands request and its reply (:func:`kernelexec.backends._base.ask`)."""
+
+
+SUPERVISOR = KernelModule("__main__", kernel_supervisor.__name__, entry=None)
+"""A command's supervisor: not installed as a module but handed to the commands helper, which
+runs it (titled) as each command's parent."""
+
+
+def _supervisor_code() -> str:
+    title = f"kx_set_title({_proctitle.COMMAND!r}, {_proctitle.COMMS[_proctitle.COMMAND]!r})\n"
+    return _proctitle.SOURCE + title + SUPERVISOR.source()
+
+
 def install_request(workdir: str) -> ExecuteRequest:
-    """The request that installs the files and commands helpers in a kernel (their sources
-    ride in the metadata) and says in its reply's payload whether both serve."""
-    folder = importlib.resources.files(__package__)
-    modules = [
-        (kernel_files.MODULE_NAME, folder.joinpath("_kernel_files.py").read_text(), [workdir]),
-        (kernel_commands.MODULE_NAME, folder.joinpath("_kernel_commands.py").read_text(), []),
-    ]
-    code = (
-        "def __kx_files():\n"
-        "    import sys, types\n"
-        "    from IPython import get_ipython\n"
-        "    ip = get_ipython()\n"
-        f"    meta = ip.kernel.get_parent()['metadata'][{_METADATA_KEY!r}]\n"
-        "    serves = True\n"
-        "    for name, source, args in meta['modules']:\n"
-        "        mod = types.ModuleType(name)\n"
-        "        sys.modules[name] = mod\n"
-        "        exec(compile(source, f'<{name}>', 'exec'), mod.__dict__)\n"
-        "        serves = mod.install(*args) is True and serves\n"
-        f"    ip.payload_manager.write_payload({{'source': {kernel_files.SERVES_PAYLOAD!r},"
-        " 'serves': serves})\n"
-        "__kx_files(); del __kx_files\n"
-    )
-    return ExecuteRequest(
-        code=code,
-        silent=True,
-        store_history=False,
-        metadata={_METADATA_KEY: {"modules": modules}},
-    )
+    """The request that installs the files and commands helpers in a kernel; its reply says
+    whether both serve (:func:`installed`)."""
+    modules = [(FILES_MODULE, [workdir]), (COMMANDS_MODULE, [_supervisor_code()])]
+    return _install.install_request(modules)
 
 
 def installed(reply: dict[str, Any]) -> bool:
-    """Whether the reply to :func:`install_request` says the handler is registered."""
-    for payload in reply.get("payload") or []:
-        if isinstance(payload, dict) and payload.get("source") == kernel_files.SERVES_PAYLOAD:
-            return payload.get("serves") is True
-    return False
-
-
-@dataclass(frozen=True, slots=True)
-class Stalled:
-    """No reply within the time allowed (``died``: the kernel died meanwhile)."""
-
-    died: KernelDied | None = None
-
-
-async def exchange(
-    conn: KernelConnection,
-    msg_type: str,
-    content: dict[str, Any],
-    *,
-    reply_type: str,
-    timeout: float,
-    metadata: dict[str, Any] | None = None,
-    buffers: tuple[bytes, ...] = (),
-) -> KernelMessage | Stalled:
-    """Send one shell request and wait for its reply (other messages are passed over: the
-    session's lock is held, so they can only be late ones of a finished run)."""
-    msg_id = await conn.send("shell", msg_type, content, metadata=metadata, buffers=buffers)
-    return await wait_reply(conn, msg_id, reply_type, timeout)
-
-
-async def wait_reply(
-    conn: KernelConnection, msg_ids: str | Collection[str], reply_type: str, timeout: float
-) -> KernelMessage | Stalled:
-    """The reply of type ``reply_type`` to ``msg_ids`` (the first to come when several are
-    awaited: the kernel answers its shell requests in order), or :class:`Stalled` after
-    ``timeout``."""
-    ids = {msg_ids} if isinstance(msg_ids, str) else msg_ids
-    deadline = time.monotonic() + timeout
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            return Stalled()
-        msg = await conn.receive(left)
-        if msg is None:
-            continue
-        if isinstance(msg, KernelDied):
-            return Stalled(died=msg)
-        if msg.parent_id in ids and msg.channel == "shell" and msg.msg_type == reply_type:
-            return msg
+    """Whether the reply to :func:`install_request` says both handlers are registered."""
+    got = _install.answers(reply)
+    return bool(got) and all(answer is True for answer in got or ())
 
 
 _KINDS: dict[str, tuple[type[SessionFileError], int]] = {

@@ -1,2 +1,2 @@
 """What a session's namespace holds and what a run changed in it: the kernel half
-(``_kernel_namespace.py``, sent as text) and the host half that reads its answers (``_view``)."""
+(``_kernel_namespace.py``, a kernel module) and the host half that reads its answers (``_view``)."""

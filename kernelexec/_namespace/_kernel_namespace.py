@@ -1,7 +1,7 @@
 """The kernel half of the namespace view: which names a run added, rebound or removed, and a
 bounded summary of every user variable.
 
-Standard-library Python, sent to the kernel as text with kernelexec's kernel side and run there
+Standard-library Python, installed in the kernel as text with kernelexec's kernel side, run there
 as the module :data:`MODULE_NAME` (it imports nothing of kernelexec). Two promises:
 
 * **Changes cost next to nothing.** Before each run (``pre_execute``) it keeps the id of the

@@ -2,15 +2,15 @@
 
 A run's request is built by one function (:func:`build_request`, from a :class:`CodeRun` or a
 :class:`ToolCall`) and its reply read by one (:func:`read_reply`, into a :class:`Reply`).
-Their counterpart runs inside the kernel (``_kernel_side.py`` and its companions, sent as text
-at start-up); the constants and keys both halves need are defined there and imported here,
-so they cannot drift apart. Plain functions and frozen values: no I/O, no kernel, no state.
+Their counterpart runs inside the kernel (``_kernel_side.py`` and its companions, declared
+here as kernel modules and installed at start-up by :mod:`._install`); the constants and keys
+both halves need are defined there and imported here, so they cannot drift apart. Plain
+functions and frozen values: no I/O, no kernel, no state.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib.resources
 import json
 import os
 from dataclasses import dataclass, field
@@ -20,9 +20,14 @@ from pydantic import BaseModel
 
 from kernelexec import _json, _proctitle
 from kernelexec._models import ErrorKind, ExecError, StateChanges, Variable
+from kernelexec._namespace import _kernel_namespace as kernel_namespace
 from kernelexec._namespace import _view as view
 from kernelexec._protocol import _kernel_budget as kernel_budget
+from kernelexec._protocol import _kernel_output as kernel_output
 from kernelexec._protocol import _kernel_side as kernel_side
+from kernelexec._protocol import _kernel_tuning as kernel_tuning
+from kernelexec._protocol._install import ExecuteRequest as ExecuteRequest
+from kernelexec._protocol._install import KernelModule, install_request
 from kernelexec._tools._tool import Tool
 
 RESULT_MIME = kernel_side.RESULT_MIME
@@ -33,9 +38,15 @@ FENCE_REPLY = kernel_side.FENCE_REPLY
 _MODULE = f"__import__({kernel_side.MODULE_NAME!r})"
 REPORT_EXPRESSION = f"{_MODULE}.report()"
 _REPORT = {kernel_side.REPORT_KEY: REPORT_EXPRESSION}
-_NAMESPACE_SOURCE = importlib.resources.files("kernelexec._namespace").joinpath(
-    "_kernel_namespace.py"
+KERNEL_MODULES = (
+    KernelModule(kernel_side.BUDGET_MODULE_NAME, kernel_budget.__name__, entry=None),
+    KernelModule(kernel_side.TUNING_MODULE_NAME, kernel_tuning.__name__, entry=None),
+    KernelModule(kernel_side.OUTPUT_MODULE_NAME, kernel_output.__name__, entry=None),
+    KernelModule(kernel_side.NAMESPACE_MODULE_NAME, kernel_namespace.__name__, entry=None),
+    KernelModule(kernel_side.MODULE_NAME, kernel_side.__name__),
 )
+"""The protocol's kernel half and its companions, in the order they are installed (the kernel
+side's ``install`` finds the companions in ``sys.modules``)."""
 if (view.MODULE_NAME, view.CHANGES_PAYLOAD) != (
     kernel_side.NAMESPACE_MODULE_NAME,
     kernel_side.CHANGES_PAYLOAD,
@@ -44,44 +55,6 @@ if (view.MODULE_NAME, view.CHANGES_PAYLOAD) != (
 _KERNEL_KINDS: frozenset[str] = frozenset(
     {kernel_side.INVALID_TOOL, kernel_side.INVALID_ARGS, kernel_side.RESULT_TOO_LARGE}
 )
-
-
-@dataclass(frozen=True, slots=True)
-class ExecuteRequest:
-    """The parts of an ``execute_request`` kernelexec sends."""
-
-    code: str
-    silent: bool = False
-    store_history: bool = True
-    user_expressions: dict[str, str] = field(default_factory=dict)
-    metadata: dict[str, Any] = field(default_factory=dict)
-    msg_type: str = "execute_request"
-
-    @property
-    def reply_type(self) -> str:
-        """The msg_type of the request's reply."""
-        return CALL_REPLY if self.msg_type == CALL_REQUEST else "execute_reply"
-
-    @property
-    def quiet(self) -> bool:
-        """Whether the kernel sends no busy/idle for it (its reply counts its outputs)."""
-        return self.msg_type == CALL_REQUEST
-
-    def content(self) -> dict[str, Any]:
-        """The message content, with kernelexec's execution policy for every backend: no
-        stdin (a tool asking for input fails instead of hanging) and no aborting of queued
-        requests after an error (each call stands alone). A served call has everything in
-        its metadata."""
-        if self.msg_type == CALL_REQUEST:
-            return {}
-        return {
-            "code": self.code,
-            "silent": self.silent,
-            "store_history": self.store_history,
-            "user_expressions": self.user_expressions,
-            "allow_stdin": False,
-            "stop_on_error": False,
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,23 +75,16 @@ class Report:
 
 
 def kernel_side_sources() -> dict[str, str]:
-    """The kernel side's source texts, by their key in :func:`bootstrap_request`'s metadata:
-    every new kernel executes them. A fork server compiles them once for all its kernels
-    (``backends._forkserver``); a kernel compiles a text its server did not."""
-    files = importlib.resources.files(__package__)
-    return {
-        kernel_side.INSTALL_SOURCE: files.joinpath("_kernel_side.py").read_text(),
-        kernel_side.INSTALL_BUDGET_SOURCE: files.joinpath("_kernel_budget.py").read_text(),
-        kernel_side.INSTALL_TUNING_SOURCE: files.joinpath("_kernel_tuning.py").read_text(),
-        kernel_side.INSTALL_OUTPUT_SOURCE: files.joinpath("_kernel_output.py").read_text(),
-        kernel_side.INSTALL_NAMESPACE_SOURCE: _NAMESPACE_SOURCE.read_text(),
-    }
+    """The source texts of the protocol's kernel modules (:data:`KERNEL_MODULES`), by their
+    names in the kernel: every new kernel executes them. A fork server compiles them once for
+    all its kernels (``backends._forkserver``); a kernel compiles a text its server did not."""
+    return {module.name: module.source() for module in KERNEL_MODULES}
 
 
 def bootstrap_request(
     max_output_chars: int, *, fast_paths: bool | None = None, fast_calls: bool = True
 ) -> ExecuteRequest:
-    """The request that installs the kernel side in a fresh kernel (its source rides along).
+    """The request that installs the kernel side in a fresh kernel (its sources ride along).
 
     ``fast_calls`` lets the kernel side serve tool calls itself (:data:`CALL_REQUEST`);
     ``KERNELEXEC_FAST_CALLS=0`` in the environment turns that off whatever the caller says,
@@ -129,30 +95,10 @@ def bootstrap_request(
     fast_calls = fast_calls and os.environ.get("KERNELEXEC_FAST_CALLS", "1") != "0"
     # For benchmarks that measure what flow control saves (``benchmarks/outputs.py``).
     flow_control = os.environ.get("KERNELEXEC_NO_FLOW_CONTROL") != "1"
-    code = (
-        "def __kx_install():\n"
-        "    import sys, types\n"
-        "    from IPython import get_ipython\n"
-        f"    meta = get_ipython().kernel.get_parent()['metadata'][{kernel_side.METADATA_KEY!r}]\n"
-        f"    mod = types.ModuleType({kernel_side.MODULE_NAME!r})\n"
-        f"    sys.modules[{kernel_side.MODULE_NAME!r}] = mod\n"
-        f"    source = meta[{kernel_side.INSTALL_SOURCE!r}]\n"
-        f"    compiled = sys.modules.get({kernel_side.COMPILED_MODULE_NAME!r})\n"
-        "    codes = getattr(compiled, 'codes', None)  # the fork server's (see _forkserver)\n"
-        "    code = codes.get(source) if isinstance(codes, dict) else None\n"
-        "    if not isinstance(code, types.CodeType):\n"
-        "        code = compile(source, '<kernelexec>', 'exec')\n"
-        "    exec(code, mod.__dict__)\n"
-        "    mod.install()\n"
-        "__kx_install(); del __kx_install\n"
-    )
-    return ExecuteRequest(
-        code=code,
-        silent=True,
-        store_history=False,
+    return install_request(
+        KERNEL_MODULES,
         metadata={
             kernel_side.METADATA_KEY: {
-                **kernel_side_sources(),
                 "max_output_chars": max_output_chars,
                 "report_expression": REPORT_EXPRESSION,
                 "fast_paths": fast_paths,

@@ -1,14 +1,15 @@
 """The helper that kernelexec installs inside every kernel.
 
-This module is never imported by the host. Its source text is sent to a freshly started kernel
-(in the metadata of one execute request, so it works for any backend and any interpreter that has
-ipykernel) and executed there as the module ``__kernelexec__``. It uses the standard library only.
+The host imports this module only for its constants. Its source text is installed in a freshly
+started kernel (a kernel module of :mod:`kernelexec._protocol._install`: one execute request, so
+it works for any backend and any interpreter that has ipykernel) and executed there as the
+module ``__kernelexec__``. It uses the standard library only.
 
 What it does inside the kernel:
 
-* installs ``_kernel_budget.py`` (sent along): every run's output is capped and counted, and
+* uses ``_kernel_budget.py`` (installed before it): every run's output is capped and counted, and
   the count rides on the reply;
-* installs ``_kernel_tuning.py`` (sent along): no output history (IPython 9 would keep every
+* uses ``_kernel_tuning.py`` (installed before it): no output history (IPython 9 would keep every
   printed byte for the kernel's lifetime), less work per call, fd-level output waited for;
 * runs tool calls whose arguments arrive as JSON in the request's metadata, never as code,
   served by its own shell handler (``CALL_REQUEST``, see :func:`_serve_call`) without
@@ -18,18 +19,18 @@ What it does inside the kernel:
   through ``user_expressions`` in the execute reply, a channel the tool's own prints and displays
   cannot write to;
 * reports the names of user variables after each run, so the host can say what a restart lost,
-  and installs ``_namespace/_kernel_namespace.py`` (sent along): what each run added, rebound
+  and uses ``_namespace/_kernel_namespace.py`` (installed before it): what each run added, rebound
   and removed rides on its reply, and the variables listing is bounded;
 * says, in the reply's payload, when one of its own checks failed (``ERROR_PAYLOAD``): the
   host classifies errors by that, never by an exception's name, which user code controls, and
   a payload the code wrote there itself is dropped (:func:`_sealed`);
 * answers fences (``FENCE_REQUEST``), which tell the host that a run has really ended;
-* installs ``_kernel_output.py`` (sent along): output waits for the host instead of being
+* uses ``_kernel_output.py`` (installed before it): output waits for the host instead of being
   dropped, and fd-level output keeps its characters whole.
 
 The constants below are shared with the host half (``kernelexec._protocol._host``), which
 imports this module; nothing here imports anything of kernelexec (the companion modules are
-executed from the source texts the install request carries, see :func:`_load_module`).
+installed before this one by the same request, and found in ``sys.modules``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,6 @@ import os
 import pathlib
 import signal
 import sys
-import types
 import uuid
 from typing import Any
 
@@ -153,12 +153,8 @@ install request carries it, to its code, compiled once in the server (see ``_for
 CHANGES_PAYLOAD = "kernelexec.changes"
 """The ``source`` of the reply payload with a run's changes (the namespace module's)."""
 
-# Keys of the install request's metadata: this module's source and its companions'.
-INSTALL_SOURCE = "source"
-INSTALL_NAMESPACE_SOURCE = "namespace_source"
-INSTALL_BUDGET_SOURCE = "budget_source"
-INSTALL_TUNING_SOURCE = "tuning_source"
-INSTALL_OUTPUT_SOURCE = "output_source"
+KERNEL_FILENAME = "<kernelexec>"
+"""The file name every kernel half is compiled under (a tool's traceback starts below them)."""
 
 _budgets: Any = None  # ``_kernel_budget``, once install() has executed it
 
@@ -231,23 +227,6 @@ def _fast_report(expression: str) -> None:
     shell.user_expressions = user_expressions
 
 
-def _load_module(name: str, source: Any) -> Any:
-    """Execute a companion module's source (sent with this one's) as module ``name``."""
-    if not isinstance(source, str):
-        return None
-    module = types.ModuleType(name)
-    sys.modules[name] = module
-    exec(_compiled(source), module.__dict__)
-    return module
-
-
-def _compiled(source: str) -> types.CodeType:
-    """The code of ``source``: its fork server's, when it compiled the same text, else new."""
-    codes = getattr(sys.modules.get(COMPILED_MODULE_NAME), "codes", None)
-    code = codes.get(source) if isinstance(codes, dict) else None
-    return code if isinstance(code, types.CodeType) else compile(source, "<kernelexec>", "exec")
-
-
 def install() -> None:
     """Set up the kernel for kernelexec; called once after the kernel starts."""
     global _budgets
@@ -256,8 +235,8 @@ def install() -> None:
         del sys.modules["debugpy"]  # blocked only while ipykernel started (see the launcher)
     if hasattr(sys, "set_int_max_str_digits"):
         sys.set_int_max_str_digits(0)  # big integers cross as JSON both ways (see the README)
-    _budgets = _load_module(BUDGET_MODULE_NAME, cfg.get(INSTALL_BUDGET_SOURCE))
-    tuning = _load_module(TUNING_MODULE_NAME, cfg.get(INSTALL_TUNING_SOURCE))
+    _budgets = sys.modules[BUDGET_MODULE_NAME]
+    tuning = sys.modules[TUNING_MODULE_NAME]
     budget = _budgets.Budget(int(cfg.get("max_output_chars", 1_000_000)))
     _state["budget"] = budget
     if cfg.get("title_source"):
@@ -270,7 +249,7 @@ def install() -> None:
     tuning.keep_no_output_history(shell)
     tuning.quiet_debug_log(kernel)
     streams = [s for s in (sys.stdout, sys.stderr) if hasattr(s, "session")]
-    output = _load_module(OUTPUT_MODULE_NAME, cfg.get(INSTALL_OUTPUT_SOURCE))
+    output = sys.modules.get(OUTPUT_MODULE_NAME)
     gate = None
     readers: list[Any] = []  # kernelexec's readers of the captured fds (see wait_for_fd_output)
     if output is not None:
@@ -297,7 +276,7 @@ def install() -> None:
         _fast_report(cfg["report_expression"])
     polled = [s for s in streams if all(r.stream is not s for r in readers)]
     shell.events.register("post_execute", lambda: tuning.wait_for_fd_output(readers, polled))
-    namespace = _load_module(NAMESPACE_MODULE_NAME, cfg.get(INSTALL_NAMESPACE_SOURCE))
+    namespace = sys.modules.get(NAMESPACE_MODULE_NAME)
     if namespace is not None:
         tracker = _state["tracker"] = namespace.Tracker(shell)
         # A function of this module: a branch drops this module's hooks before installing it
@@ -439,7 +418,7 @@ def _users_frames(etype: Any, value: Any, tb: Any) -> tuple[Any, Any, Any]:
     """The exception with kernelexec's own frames taken off the front of its traceback (all
     kept when there is nothing else: then the error is kernelexec's own check)."""
     first = tb
-    while tb is not None and tb.tb_frame.f_code.co_filename == "<kernelexec>":
+    while tb is not None and tb.tb_frame.f_code.co_filename == KERNEL_FILENAME:
         tb = tb.tb_next
     return etype, value, tb if tb is not None else first
 

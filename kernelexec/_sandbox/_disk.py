@@ -34,11 +34,10 @@ import logging
 import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from functools import lru_cache
 
-from kernelexec import _trees, _workdirs
+from kernelexec import _proctitle, _trees, _workdirs
 from kernelexec._exceptions import TreeLimitError
 from kernelexec._sandbox import _nshelper
 from kernelexec._tempdirs import detach, mount_points, process_alive, process_start_time
@@ -234,6 +233,14 @@ def _sweep() -> list[str]:
     return done
 
 
+def probe_command(target: str) -> list[str]:
+    """The command line of the disk helper (:mod:`._helper_disk`) probing ``target``."""
+    return _proctitle.helper_command(_proctitle.DISK_HELPER, _PROBE, target)
+
+
+_PROBE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_helper_disk.py")
+
+
 @lru_cache(maxsize=1)
 def support() -> str | None:
     """Whether capped working directories work on this host: None when they do, else why not.
@@ -251,7 +258,7 @@ def support() -> str | None:
         with open(os.path.join(target, "seen"), "w") as fh:
             fh.write("yes")
         with subprocess.Popen(
-            [sys.executable, "-I", "-S", "-c", _PROBE_CHILD, target],
+            probe_command(target),
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.DEVNULL,
@@ -276,22 +283,6 @@ def support() -> str | None:
         with contextlib.suppress(OSError):
             _unmount(target)
         shutil.rmtree(probe, ignore_errors=True)
-
-
-_PROBE_CHILD = r"""
-import ctypes, os, sys
-libc = ctypes.CDLL(None, use_errno=True)
-libc.mount.argtypes = (ctypes.c_char_p,) * 3 + (ctypes.c_ulong, ctypes.c_char_p)
-if libc.unshare(0x00020000) != 0 or libc.mount(b"none", b"/", None, 16384 | (1 << 18), None):
-    sys.exit(1)
-libc.umount2(sys.argv[1].encode(), 2)  # the namespace must not see the host's mount by itself
-print("ready", flush=True)
-sys.stdin.readline()
-try:
-    print(open(os.path.join(sys.argv[1], "seen")).read())
-except OSError:
-    print("nothing")
-"""
 
 
 def copy_tree(src: str, dst: str, *, outside_links: bool = True) -> list[str]:

@@ -66,8 +66,8 @@ def test_a_failed_code_mode_install_logs_the_kernels_message_on_one_line(
         planted = s.run_code(
             "import sys, types\n"
             "fake = types.ModuleType('__kernelexec_codemode__')\n"
-            f"def _apply(spec):\n    raise RuntimeError('{LURE}')\n"
-            "fake._apply = _apply\n"
+            f"def fail(*args):\n    raise RuntimeError('{LURE}')\n"
+            "fake.install = fake._apply = fail  # what the install calls on a kept module\n"
             "sys.modules['__kernelexec_codemode__'] = fake\n"
         )
         assert planted.ok, planted.error
