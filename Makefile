@@ -38,7 +38,7 @@ bwrap:
 # The agent frameworks' own test suites ship in their sdists, not their wheels: fetched once
 # into .cache/suites (from the package index); without them those tests skip and say why.
 suites: $(STAMP)
-	@$(BIN)/python tests/fetch_suites.py .cache/suites >/dev/null \
+	@$(BIN)/python tests/support/fetch_suites.py .cache/suites >/dev/null \
 		|| echo "could not fetch the frameworks' test suites: those tests will skip"
 
 test: $(STAMP) bwrap browser suites

@@ -307,7 +307,7 @@ async def gateway_session() -> AsyncIterator[kx.AsyncSession | None]:
         return
     sys.path.insert(0, REPO)
     from kernelexec.backends import GatewayBackend
-    from tests.gateway import Gateway
+    from tests.support.gateway import Gateway
 
     with Gateway() as gw:
         async with kx.AsyncKernelExecutor(backend=GatewayBackend(gw.url, token=gw.token)) as ex:

@@ -77,7 +77,7 @@ async def measure(gib: float, env_vars: dict[str, str]) -> dict[str, float]:
         first, result = await timed(child.run_code("print(len(blob))"))
         assert result.stdout == f"{size}\n", result
         out["fork_one_s"] = one + first
-        out["parent_paused_s"] = ex._brancher.last_pause_s
+        out["parent_paused_s"] = ex._sessions.brancher.last_pause_s
         out["child_uss_mib"] = uss_mib(child)
         await child.aclose()
 

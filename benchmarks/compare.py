@@ -3,7 +3,8 @@ kernelexec, in one run.
 
 For a change that must not make calls slower (a refactor), or that should make a kernel start
 faster or cost less: each round starts one host process per tree (``PYTHONPATH`` set to the
-tree), which times warm ``call_tool`` and ``run_code`` calls on one session, then the first call
+tree), which times an executor made to its first result (``executor_start``, the first in the
+process), warm ``call_tool`` and ``run_code`` calls on one session, then the first call
 of ``--cold`` new sessions (no prewarm: a kernel forked from the running fork server) and each
 one's PSS once idle; the trees take turns, so the machine's noise falls on both. Prints a table of
 the medians over rounds and the ratio this tree / base, and writes JSON.
@@ -34,6 +35,11 @@ ADD = 'def add(a: int, b: int) -> int:\n    "Add two numbers."\n    return a + b
 n = int(sys.argv[1])
 tool = kx.Tool.from_source(ADD)
 out = {"tree": kx.__file__}
+# An executor made to its first result, the first in this process (its fork server starts too).
+t0 = time.perf_counter()
+with kx.KernelExecutor() as ex:
+    ex.session("first").run_code("1 + 1")
+    out["executor_start"] = (time.perf_counter() - t0) * 1000
 with kx.KernelExecutor() as ex:
     s = ex.session("compare")
     for _ in range(50):

@@ -25,7 +25,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernelexec as kx
-from tests.wheels import make_wheel
+from tests.support.wheels import make_wheel
 
 TOOL = '''
 def version(name: str) -> str:

@@ -1,7 +1,7 @@
 """Moving files in and out of a session: ``session.files`` against the base64 baseline.
 
 For 1 MiB and 100 MiB files, write and read MiB/s through a local kernel (``isolation="none"``)
-and through a real Jupyter Kernel Gateway on 127.0.0.1 (``tests/gateway.py``), each measured
+and through a real Jupyter Kernel Gateway on 127.0.0.1 (``tests/support/gateway.py``), each measured
 three times (the median is reported). The baseline, measured in the same run on the same
 session, is what framework adapters did before ``session.files``: two kernelexec tools moving
 4 MiB base64 chunks as JSON arguments and return values (``max_result_chars`` raised to fit).
@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import kernelexec as kx
 from kernelexec.backends import GatewayBackend
-from tests.gateway import Gateway
+from tests.support.gateway import Gateway
 
 CHUNK = 4 << 20
 SIZES = {"1 MiB": 1 << 20, "100 MiB": 100 << 20}

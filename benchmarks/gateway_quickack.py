@@ -1,6 +1,7 @@
-"""Warm ``call_tool`` through a real Jupyter Kernel Gateway on 127.0.0.1 (``tests/gateway.py``),
-with kernelexec re-arming ``TCP_QUICKACK`` on the websocket (``GatewayBackend(quickack=True)``,
-the default) and without it: the figures of docs/gateway.md's "Latency".
+"""Warm ``call_tool`` through a real Jupyter Kernel Gateway on 127.0.0.1
+(``tests/support/gateway.py``), with kernelexec re-arming ``TCP_QUICKACK`` on the websocket
+(``GatewayBackend(quickack=True)``, the default) and without it: the figures of
+docs/gateway.md's "Latency".
 
 Jupyter Server never sets ``TCP_NODELAY`` on kernel websockets, so without the option each call
 waits for the client's delayed ACK. The two variants take turns in rounds (one executor and
@@ -27,7 +28,7 @@ sys.path.insert(0, str(REPO))
 
 import kernelexec as kx  # noqa: E402
 from kernelexec.backends import GatewayBackend  # noqa: E402
-from tests.gateway import Gateway  # noqa: E402
+from tests.support.gateway import Gateway  # noqa: E402
 
 ADD = (
     'def add(a: int, b: int) -> int:\n    """Add.\n\n    Args:\n        a: A.\n        b: B.\n'

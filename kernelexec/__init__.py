@@ -10,143 +10,82 @@ import importlib as _importlib
 import typing as _typing
 from importlib import metadata as _metadata
 
-if _typing.TYPE_CHECKING:
-    from kernelexec._branching._family import AsyncSnapshot
-    from kernelexec._config import ExecutorConfig, ExecutorOptions
-    from kernelexec._core._executor import AsyncKernelExecutor
-    from kernelexec._core._session import AsyncSession
-    from kernelexec._envs._builder import BuiltEnv, EnvBuilder, EnvProgress
-    from kernelexec._envs._envs import LocalEnv, VenvEnv
-    from kernelexec._exceptions import (
-        AgentBusyError,
-        BackgroundTaskError,
-        BranchError,
-        BranchingNotSupportedError,
-        CheckpointTooLargeError,
-        ConfigError,
-        EnvSetupError,
-        ExecutionError,
-        ExecutionTimeout,
-        ExecutorClosedError,
-        FileTransferError,
-        HostLimitError,
-        KernelExecError,
-        KernelStartError,
-        NotebookError,
-        PathRefusedError,
-        PoolExhaustedError,
-        RequirementsMissingError,
-        SessionFileError,
-        SetupCodeError,
-        StateError,
-        ToolDefinitionError,
-        ToolSchemaWarning,
-        TreeLimitError,
-    )
-    from kernelexec._files._blocking import (
-        BlockingBackgroundCommand,
-        BlockingFileReader,
-        BlockingFileWriter,
-        SessionCommands,
-        SessionFiles,
-    )
-    from kernelexec._files._commands import (
-        AsyncSessionCommands,
-        BackgroundCommand,
-        CommandResult,
-    )
-    from kernelexec._files._session import AsyncSessionFiles, FileReader, FileWriter
-    from kernelexec._files._wire import FileInfo
-    from kernelexec._models import (
-        DEFAULT_ENV_ALLOWLIST,
-        ExecError,
-        Execution,
-        HibernatedAgent,
-        Hibernation,
-        HostCall,
-        HostCallContext,
-        Isolation,
-        Limits,
-        Restored,
-        StateChanges,
-        ToolResult,
-        Variable,
-    )
-    from kernelexec._replay import CellDifference, ReplayReport, areplay
-    from kernelexec._sync import KernelExecutor, Session, Snapshot, replay
-    from kernelexec._tools._tool import Tool
+from kernelexec import _public
 
-# Public names and the module each lives in, imported on first use (PEP 562), so that
-# `kernelexec --help` or `import kernelexec` does not pay for the whole library (1.4 s).
-_EXPORTS: dict[str, str] = {
-    "areplay": "kernelexec._replay",
-    "AgentBusyError": "kernelexec._exceptions",
-    "AsyncKernelExecutor": "kernelexec._core._executor",
-    "AsyncSession": "kernelexec._core._session",
-    "AsyncSessionCommands": "kernelexec._files._commands",
-    "AsyncSessionFiles": "kernelexec._files._session",
-    "AsyncSnapshot": "kernelexec._branching._family",
-    "BackgroundCommand": "kernelexec._files._commands",
-    "BackgroundTaskError": "kernelexec._exceptions",
-    "BlockingBackgroundCommand": "kernelexec._files._blocking",
-    "BlockingFileReader": "kernelexec._files._blocking",
-    "BlockingFileWriter": "kernelexec._files._blocking",
-    "BranchError": "kernelexec._exceptions",
-    "BranchingNotSupportedError": "kernelexec._exceptions",
-    "BuiltEnv": "kernelexec._envs._builder",
-    "CellDifference": "kernelexec._replay",
-    "CheckpointTooLargeError": "kernelexec._exceptions",
-    "CommandResult": "kernelexec._files._commands",
-    "ConfigError": "kernelexec._exceptions",
-    "DEFAULT_ENV_ALLOWLIST": "kernelexec._models",
-    "EnvBuilder": "kernelexec._envs._builder",
-    "EnvProgress": "kernelexec._envs._builder",
-    "EnvSetupError": "kernelexec._exceptions",
-    "ExecError": "kernelexec._models",
-    "Execution": "kernelexec._models",
-    "ExecutionError": "kernelexec._exceptions",
-    "ExecutionTimeout": "kernelexec._exceptions",
-    "ExecutorClosedError": "kernelexec._exceptions",
-    "ExecutorConfig": "kernelexec._config",
-    "ExecutorOptions": "kernelexec._config",
-    "FileInfo": "kernelexec._files._wire",
-    "FileReader": "kernelexec._files._session",
-    "FileTransferError": "kernelexec._exceptions",
-    "FileWriter": "kernelexec._files._session",
-    "HibernatedAgent": "kernelexec._models",
-    "Hibernation": "kernelexec._models",
-    "HostCall": "kernelexec._models",
-    "HostCallContext": "kernelexec._models",
-    "HostLimitError": "kernelexec._exceptions",
-    "Isolation": "kernelexec._models",
-    "KernelExecError": "kernelexec._exceptions",
-    "KernelExecutor": "kernelexec._sync",
-    "KernelStartError": "kernelexec._exceptions",
-    "Limits": "kernelexec._models",
-    "LocalEnv": "kernelexec._envs._envs",
-    "NotebookError": "kernelexec._exceptions",
-    "PathRefusedError": "kernelexec._exceptions",
-    "PoolExhaustedError": "kernelexec._exceptions",
-    "replay": "kernelexec._sync",
-    "ReplayReport": "kernelexec._replay",
-    "RequirementsMissingError": "kernelexec._exceptions",
-    "Restored": "kernelexec._models",
-    "StateChanges": "kernelexec._models",
-    "Variable": "kernelexec._models",
-    "Session": "kernelexec._sync",
-    "SessionCommands": "kernelexec._files._blocking",
-    "SessionFileError": "kernelexec._exceptions",
-    "SessionFiles": "kernelexec._files._blocking",
-    "SetupCodeError": "kernelexec._exceptions",
-    "Snapshot": "kernelexec._sync",
-    "StateError": "kernelexec._exceptions",
-    "Tool": "kernelexec._tools._tool",
-    "ToolDefinitionError": "kernelexec._exceptions",
-    "ToolResult": "kernelexec._models",
-    "ToolSchemaWarning": "kernelexec._exceptions",
-    "TreeLimitError": "kernelexec._exceptions",
-    "VenvEnv": "kernelexec._envs._envs",
-}
+if _typing.TYPE_CHECKING:  # the public names, one a line (kernelexec._public.exports)
+    from kernelexec._assembly._executor import AsyncKernelExecutor as AsyncKernelExecutor
+    from kernelexec._branching._family import AsyncSnapshot as AsyncSnapshot
+    from kernelexec._config import ExecutorConfig as ExecutorConfig
+    from kernelexec._config import ExecutorOptions as ExecutorOptions
+    from kernelexec._core._session import AsyncSession as AsyncSession
+    from kernelexec._envs._builder import BuiltEnv as BuiltEnv
+    from kernelexec._envs._builder import EnvBuilder as EnvBuilder
+    from kernelexec._envs._builder import EnvProgress as EnvProgress
+    from kernelexec._envs._envs import LocalEnv as LocalEnv
+    from kernelexec._envs._envs import VenvEnv as VenvEnv
+    from kernelexec._exceptions import AgentBusyError as AgentBusyError
+    from kernelexec._exceptions import BackgroundTaskError as BackgroundTaskError
+    from kernelexec._exceptions import BranchError as BranchError
+    from kernelexec._exceptions import BranchingNotSupportedError as BranchingNotSupportedError
+    from kernelexec._exceptions import CheckpointTooLargeError as CheckpointTooLargeError
+    from kernelexec._exceptions import ConfigError as ConfigError
+    from kernelexec._exceptions import EnvSetupError as EnvSetupError
+    from kernelexec._exceptions import ExecutionError as ExecutionError
+    from kernelexec._exceptions import ExecutionTimeout as ExecutionTimeout
+    from kernelexec._exceptions import ExecutorClosedError as ExecutorClosedError
+    from kernelexec._exceptions import FileTransferError as FileTransferError
+    from kernelexec._exceptions import HostLimitError as HostLimitError
+    from kernelexec._exceptions import KernelExecError as KernelExecError
+    from kernelexec._exceptions import KernelStartError as KernelStartError
+    from kernelexec._exceptions import NotebookError as NotebookError
+    from kernelexec._exceptions import PathRefusedError as PathRefusedError
+    from kernelexec._exceptions import PoolExhaustedError as PoolExhaustedError
+    from kernelexec._exceptions import RequirementsMissingError as RequirementsMissingError
+    from kernelexec._exceptions import SessionFileError as SessionFileError
+    from kernelexec._exceptions import SetupCodeError as SetupCodeError
+    from kernelexec._exceptions import StateError as StateError
+    from kernelexec._exceptions import ToolDefinitionError as ToolDefinitionError
+    from kernelexec._exceptions import ToolSchemaWarning as ToolSchemaWarning
+    from kernelexec._exceptions import TreeLimitError as TreeLimitError
+    from kernelexec._files._blocking import BlockingBackgroundCommand as BlockingBackgroundCommand
+    from kernelexec._files._blocking import BlockingFileReader as BlockingFileReader
+    from kernelexec._files._blocking import BlockingFileWriter as BlockingFileWriter
+    from kernelexec._files._blocking import SessionCommands as SessionCommands
+    from kernelexec._files._blocking import SessionFiles as SessionFiles
+    from kernelexec._files._commands import AsyncSessionCommands as AsyncSessionCommands
+    from kernelexec._files._commands import BackgroundCommand as BackgroundCommand
+    from kernelexec._files._commands import CommandResult as CommandResult
+    from kernelexec._files._session import AsyncSessionFiles as AsyncSessionFiles
+    from kernelexec._files._session import FileReader as FileReader
+    from kernelexec._files._session import FileWriter as FileWriter
+    from kernelexec._files._wire import FileInfo as FileInfo
+    from kernelexec._models import DEFAULT_ENV_ALLOWLIST as DEFAULT_ENV_ALLOWLIST
+    from kernelexec._models import ExecError as ExecError
+    from kernelexec._models import Execution as Execution
+    from kernelexec._models import HibernatedAgent as HibernatedAgent
+    from kernelexec._models import Hibernation as Hibernation
+    from kernelexec._models import HostCall as HostCall
+    from kernelexec._models import HostCallContext as HostCallContext
+    from kernelexec._models import Isolation as Isolation
+    from kernelexec._models import Limits as Limits
+    from kernelexec._models import Restored as Restored
+    from kernelexec._models import StateChanges as StateChanges
+    from kernelexec._models import ToolResult as ToolResult
+    from kernelexec._models import Variable as Variable
+    from kernelexec._replay import CellDifference as CellDifference
+    from kernelexec._replay import ReplayReport as ReplayReport
+    from kernelexec._replay import areplay as areplay
+    from kernelexec._sync import KernelExecutor as KernelExecutor
+    from kernelexec._sync import Session as Session
+    from kernelexec._sync import Snapshot as Snapshot
+    from kernelexec._sync import replay as replay
+    from kernelexec._tools._tool import Tool as Tool
+
+# The one list of public names is the block above: type checkers read its imports, and the
+# package imports each name from its module on first use (PEP 562), so that `kernelexec --help`
+# or `import kernelexec` does not pay for the whole library (1.4 s).
+_EXPORTS: dict[str, str] = _public.exports(__file__)
+"""Each public name and the module it lives in, read from the block above."""
 
 
 def __getattr__(name: str) -> object:
@@ -182,75 +121,4 @@ def unload_ipython_extension(ipython: object) -> None:
     unload(ipython)
 
 
-__all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
-    "AgentBusyError",
-    "AsyncKernelExecutor",
-    "AsyncSession",
-    "AsyncSessionCommands",
-    "AsyncSessionFiles",
-    "AsyncSnapshot",
-    "BackgroundCommand",
-    "BackgroundTaskError",
-    "BlockingBackgroundCommand",
-    "BlockingFileReader",
-    "BlockingFileWriter",
-    "BranchError",
-    "BranchingNotSupportedError",
-    "BuiltEnv",
-    "CellDifference",
-    "CheckpointTooLargeError",
-    "CommandResult",
-    "ConfigError",
-    "DEFAULT_ENV_ALLOWLIST",
-    "EnvBuilder",
-    "EnvProgress",
-    "EnvSetupError",
-    "ExecError",
-    "Execution",
-    "ExecutionError",
-    "ExecutionTimeout",
-    "ExecutorClosedError",
-    "ExecutorConfig",
-    "ExecutorOptions",
-    "FileInfo",
-    "FileReader",
-    "FileTransferError",
-    "FileWriter",
-    "HibernatedAgent",
-    "Hibernation",
-    "HostCall",
-    "HostCallContext",
-    "HostLimitError",
-    "Isolation",
-    "KernelExecError",
-    "KernelExecutor",
-    "KernelStartError",
-    "Limits",
-    "LocalEnv",
-    "NotebookError",
-    "PathRefusedError",
-    "PoolExhaustedError",
-    "ReplayReport",
-    "RequirementsMissingError",
-    "Restored",
-    "Session",
-    "SessionCommands",
-    "SessionFileError",
-    "SessionFiles",
-    "SetupCodeError",
-    "Snapshot",
-    "StateChanges",
-    "StateError",
-    "Tool",
-    "ToolDefinitionError",
-    "ToolResult",
-    "ToolSchemaWarning",
-    "TreeLimitError",
-    "Variable",
-    "VenvEnv",
-    "__version__",
-    "areplay",
-    "load_ipython_extension",
-    "replay",
-    "unload_ipython_extension",
-]
+__all__ = sorted([*_EXPORTS, "__version__", "load_ipython_extension", "unload_ipython_extension"])

@@ -1,9 +1,10 @@
-"""``public``: shows kernelexec's public classes and functions as ``kernelexec.X`` (in reprs,
+"""The public names: ``exports`` reads the one list of them (the package's ``__init__``), and
+``public`` shows kernelexec's public classes and functions as ``kernelexec.X`` (in reprs,
 tracebacks, pickles and the API docs), not by the private module that defines each."""
 
 from __future__ import annotations
 
-import inspect
+import ast
 import sys
 import types
 import typing
@@ -11,9 +12,28 @@ import typing
 PACKAGE = "kernelexec"
 
 
+def exports(init: str) -> dict[str, str]:
+    """Each public name and the module that defines it, read from the package's ``__init__``
+    (the file ``init``): the imports of its ``if TYPE_CHECKING:`` block, written ``X as X`` so
+    that type checkers see them as the package's own. The package imports a name from its
+    module on first use, so this one block is the only list of public names.
+    """
+    with open(init, encoding="utf-8") as fh:
+        tree = ast.parse(fh.read(), init)
+    found: dict[str, str] = {}
+    for node in tree.body:
+        if not (isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)):
+            continue
+        for stmt in node.body:
+            if isinstance(stmt, ast.ImportFrom) and stmt.module is not None:
+                for alias in stmt.names:
+                    found[alias.asname or alias.name] = stmt.module
+    return found
+
+
 def public(module: str) -> None:
     """Name the package as the module of what ``kernelexec/__init__.py`` exports from
-    ``module`` (its ``_EXPORTS``, the one list of public names). Call it as
+    ``module`` (its ``_EXPORTS``, read from the one list of public names). Call it as
     ``public(__name__)`` at the end of the defining module, once its classes are built:
     pydantic resolves a model's annotations in its module's namespace while it builds the model.
 
@@ -31,6 +51,8 @@ def public(module: str) -> None:
 
 
 def _resolve_annotations(cls: type) -> None:
+    import inspect  # not for `import kernelexec` itself, which reads only the list
+
     own = inspect.get_annotations(cls)
     if not own or not any(isinstance(v, str) for v in own.values()):
         return

@@ -9,11 +9,11 @@ from typing import Any
 
 from pydantic import BaseModel, Field
 
+from kernelexec._assembly._executor import AsyncKernelExecutor
 from kernelexec._codemode._calls import HOST_CALL_MIME
 from kernelexec._codemode._exposure import DEFAULT_MODULE, HostFunctions
 from kernelexec._codemode._stubs import recorded_calls, recorded_stubs
 from kernelexec._config import valid_timeout
-from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._envs._envs import VenvEnv
 from kernelexec._exceptions import ConfigError, NotebookError
 from kernelexec._notebooks._io import KEY, read_notebook

@@ -20,10 +20,10 @@ from pathlib import Path, PurePath
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from kernelexec._aio import LoopThread
+from kernelexec._assembly._executor import DEFAULT_AGENT, AsyncKernelExecutor
 from kernelexec._branching._family import AsyncSnapshot
 from kernelexec._codemode._exposure import HostFunctions
 from kernelexec._config import ExecutorConfig, ExecutorOptions
-from kernelexec._core._executor import DEFAULT_AGENT, AsyncKernelExecutor
 from kernelexec._core._outputs import OutputCallback
 from kernelexec._core._session import AsyncSession
 from kernelexec._core._state import Lifecycle

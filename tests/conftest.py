@@ -13,8 +13,8 @@ import psutil
 import pytest
 
 import kernelexec as kx
-from tests import procs
-from tests.skips import Guard
+from tests.support import procs
+from tests.support.skips import Guard
 
 _TEMP_ROOT: str | None = None
 
@@ -36,8 +36,8 @@ def pytest_unconfigure(config: pytest.Config) -> None:
 
 
 _SKIPS = Guard()
-"""The run's skips (``tests/skips.py``): counted and checked where the run is reported, on the
-xdist controller (an xdist worker has ``workerinput``)."""
+"""The run's skips (``tests/support/skips.py``): counted and checked where the run is reported,
+on the xdist controller (an xdist worker has ``workerinput``)."""
 
 
 def pytest_collectreport(report: pytest.CollectReport) -> None:
@@ -63,7 +63,8 @@ def kernel_children() -> set[int]:
     """Pids of the kernels this test process started: kernels whose parent is this process,
     or kernelexec's launcher (isolation "process"/"bwrap") whose child the kernel is; a
     launcher without its kernel counts itself; so do kernels forked by a fork server (see
-    :func:`forked_kernels`). Processes are told apart by their titles (``tests.procs.kind``)."""
+    :func:`forked_kernels`). Processes are told apart by their titles
+    (``tests.support.procs.kind``)."""
     found = set()
     for child in psutil.Process().children():
         try:

@@ -231,7 +231,7 @@ async def test_parent_close_leaves_children_and_close_frees_everything() -> None
         assert psutil.pid_exists(parent_pid)  # the child's snapshot still holds the family
         await snap.aclose()
         assert wait_exited(parent_pid), "the kept parent did not end with its last branch"
-        workdir = ex._workdir
+        workdir = ex._core.workdir
     assert_gone(pids, [*dirs, str(workdir)])
 
 

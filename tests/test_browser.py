@@ -28,7 +28,7 @@ from typing import Any
 import psutil
 import pytest
 
-from tests.procs import mentioning
+from tests.support.procs import mentioning
 
 CHROMIUM = Path("/usr/bin/chromium")
 NOTEBOOKS = Path(__file__).resolve().parent.parent / "notebooks"

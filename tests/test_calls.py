@@ -375,7 +375,7 @@ def test_agent_state_dict_is_injected_and_returned(executor: kx.KernelExecutor) 
 
 
 def test_agent_state_pydantic_model_comes_back_as_same_class() -> None:
-    from tests.models import AgentState
+    from tests.support.models import AgentState
 
     bump = tool(
         """

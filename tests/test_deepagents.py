@@ -22,7 +22,7 @@ from langchain_tests.integration_tests import SandboxIntegrationTests
 
 import kernelexec as kx
 from kernelexec.compat.deepagents import KernelSandbox
-from tests.deadlines import after_output
+from tests.support.deadlines import after_output
 
 RUN = uuid.uuid4().hex[:12]
 

@@ -17,7 +17,7 @@ import pytest
 
 import kernelexec as kx
 from kernelexec._envs._envs import normalise_requirement
-from tests.wheels import make_wheel
+from tests.support.wheels import make_wheel
 
 USE_PACKAGE = textwrap.dedent(
     '''

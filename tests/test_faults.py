@@ -15,7 +15,7 @@ import pytest
 import kernelexec as kx
 from kernelexec._tempdirs import OWNER_FILE, _start_time, sweep_stale
 from tests.conftest import wait_exited
-from tests.deadlines import after_output
+from tests.support.deadlines import after_output
 
 # 5. timeouts -------------------------------------------------------------------------------
 

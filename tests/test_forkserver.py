@@ -17,8 +17,8 @@ from kernelexec._sandbox import _cgroups, _users
 from kernelexec.backends import LocalBackend
 from kernelexec.backends._forkservers import NO_FORK_SERVER_ENV
 from tests.conftest import wait_exited
-from tests.procs import kind, of_kind, title
-from tests.wheels import make_wheel
+from tests.support.procs import kind, of_kind, title
+from tests.support.wheels import make_wheel
 
 pytestmark = pytest.mark.skipif(
     not LocalBackend().fork_server, reason="fork servers are off here (no pidfds, or switched off)"

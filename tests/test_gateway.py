@@ -22,8 +22,8 @@ import pytest
 import kernelexec as kx
 from kernelexec.backends import GatewayBackend, get_backend
 from kernelexec.backends._gateway_wire import decode, encode, new_message
-from tests.deadlines import after_output
-from tests.gateway import SECRET, Gateway, TcpProxy, free_port
+from tests.support.deadlines import after_output
+from tests.support.gateway import SECRET, Gateway, TcpProxy, free_port
 
 pytest.importorskip("kernel_gateway", reason="jupyter-kernel-gateway is not installed")
 pytest.importorskip("websockets", reason="websockets is not installed (kernelexec[gateway])")

@@ -11,7 +11,7 @@ import pytest
 
 import kernelexec as kx
 from kernelexec.backends._gateway import GatewayBackend
-from tests.gateway import Gateway
+from tests.support.gateway import Gateway
 
 pytest.importorskip("kernel_gateway", reason="jupyter-kernel-gateway is not installed")
 pytest.importorskip("websockets", reason="websockets is not installed (kernelexec[gateway])")

@@ -22,10 +22,10 @@ from kernelexec._sandbox._users import is_root
 from kernelexec.compat import letta
 from kernelexec.compat._letta_config import read_sandbox_config
 from kernelexec.compat.letta import AsyncToolSandboxKernel, ToolExecutionResult
-from tests import letta_tools as tools
 from tests.conftest import kernel_children
-from tests.deadlines import DEADLINES
-from tests.letta_models import (
+from tests.support import letta_tools as tools
+from tests.support.deadlines import DEADLINES
+from tests.support.letta_models import (
     AgentEnvironmentVariable,
     AgentState,
     LocalSandboxConfig,
@@ -35,7 +35,7 @@ from tests.letta_models import (
     agent,
     create_tool_from_func,
 )
-from tests.wheels import make_wheel
+from tests.support.wheels import make_wheel
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 USER = User()
@@ -48,7 +48,8 @@ def executor() -> Iterator[None]:
     """The process-wide executor, shared by this module's tests (named like conftest's shared
     executor, so the leak check runs when it shuts down rather than after each test)."""
     before = kernel_children()
-    letta.configure(env_vars={"PYTHONPATH": ROOT})  # the kernels can import tests.letta_models
+    # The kernels can import tests.support.letta_models.
+    letta.configure(env_vars={"PYTHONPATH": ROOT})
     yield
     letta.shutdown()
     letta.configure()
@@ -304,7 +305,7 @@ async def test_slow_tool_times_out_and_keeps_the_agents_state(
     executor: None, monkeypatch: pytest.MonkeyPatch, fn: Any, name: str, survivor: int
 ) -> None:
     # The tool sets its survivor before it sleeps; a deadline that passed before the tool
-    # started (a loaded machine) is tried again longer (tests/deadlines.py).
+    # started (a loaded machine) is tried again longer (tests/support/deadlines.py).
     for timeout in DEADLINES:
         monkeypatch.setenv(letta.TOOL_SANDBOX_TIMEOUT, f"{timeout:g}")
         said = f"Executing tool {name} timed out after {timeout} seconds"

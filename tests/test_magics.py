@@ -15,8 +15,8 @@ def double(x: int) -> int:
     return 2 * x
 '''
 
-# The kernel's own descendants that kernelexec names (``tests/procs.py``), zombies aside; its
-# namespace helper lives as long as the process that started it, by design.
+# The kernel's own descendants that kernelexec names (``tests/support/procs.py``), zombies
+# aside; its namespace helper lives as long as the process that started it, by design.
 SANDBOX = (
     "import psutil\n"
     "sorted(p.name() for p in psutil.Process().children(recursive=True)\n"

@@ -42,7 +42,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
 from kernelexec._cli._main import main
-from tests.procs import children, of_kind
+from tests.support.procs import children, of_kind
 
 pytestmark = pytest.mark.anyio
 
@@ -686,7 +686,7 @@ def test_the_server_imports_no_kernel_machinery_before_it_answers_initialize() -
     # The stdio `initialize` waited 2.3 s of CPU for imports (jsonschema building
     # rfc3987-syntax's grammars, jupyter-client, zmq, nbformat) and the executor's start; they
     # now happen in the background after the server is up.
-    heavy = ("kernelexec._core._executor", "jsonschema", "nbformat", "zmq", "jupyter_client")
+    heavy = ("kernelexec._assembly._executor", "jsonschema", "nbformat", "zmq", "jupyter_client")
     code = (
         "import sys, kernelexec._mcp._serve, kernelexec._mcp._server\n"
         f"print([m for m in {heavy!r} if m in sys.modules])"

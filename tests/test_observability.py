@@ -29,7 +29,7 @@ from opentelemetry.trace import StatusCode
 
 import kernelexec as kx
 from kernelexec._envs._builder import EnvBuilder
-from tests.wheels import make_wheel
+from tests.support.wheels import make_wheel
 
 SECRET = "s3cr3t-7f1d"
 

@@ -4,12 +4,15 @@ error, the blocking facade's properties typed, and the one loop thread the facad
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import importlib
 import inspect
 import pickle
 import threading
 import types
 import typing
+from pathlib import Path
 from typing import Any
 
 import nbformat
@@ -17,6 +20,7 @@ import pytest
 
 import kernelexec as kx
 from kernelexec._aio import LoopThread
+from kernelexec._public import exports
 
 # -- public names ------------------------------------------------------------------------------
 
@@ -56,6 +60,26 @@ def test_public_models_stay_subclassable() -> None:
 
     limits = Tagged(memory_mb=512)
     assert limits.memory_mb == 512 and limits.tag == "t"
+
+
+def test_the_public_names_are_written_once(tmp_path: Path) -> None:
+    # The one list is __init__'s TYPE_CHECKING block; the lazy loader and __all__ read it.
+    extra = {"__version__", "load_ipython_extension", "unload_ipython_extension"}
+    assert set(kx.__all__) == set(kx._EXPORTS) | extra
+    tree = ast.parse(Path(kx.__file__).read_text())
+    block = next(n for n in tree.body if isinstance(n, ast.If))
+    imported = [(s.module, a) for s in block.body if isinstance(s, ast.ImportFrom) for a in s.names]
+    assert len(imported) == len(kx._EXPORTS)
+    for module, alias in imported:
+        assert alias.asname == alias.name, alias.name  # a re-export, as type checkers read it
+        assert kx._EXPORTS[alias.name] == module
+        assert getattr(importlib.import_module(str(module)), alias.name) is getattr(kx, alias.name)
+    init = tmp_path / "__init__.py"
+    init.write_text(
+        "import typing\nif typing.TYPE_CHECKING:\n    from p._a import A as A\n"
+        "    from p._b import b as b\nfrom p._c import C\n"
+    )
+    assert exports(str(init)) == {"A": "p._a", "b": "p._b"}
 
 
 # -- a typed constructor -----------------------------------------------------------------------

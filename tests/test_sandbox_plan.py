@@ -55,7 +55,7 @@ def test_the_backend_reports_a_typed_isolation() -> None:
     assert found.limits["max_open_files"].startswith("4096 (RLIMIT_NOFILE")
     with kx.KernelExecutor(isolation="none") as ex:
         assert ex._async.isolation_of(ex._async.env) == ex._async.backend.isolation(
-            ex._async._launch(ex._async.env, None)
+            ex._async._core.launch(ex._async.env, None)
         )
 
 

@@ -1,5 +1,5 @@
-"""The guard on skips (``tests/skips.py``, issue 42): a run prints what it skipped and why, and
-under ``.ci/run`` fails on a skip the CI machine should not need."""
+"""The guard on skips (``tests/support/skips.py``, issue 42): a run prints what it skipped and
+why, and under ``.ci/run`` fails on a skip the CI machine should not need."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.skips import EXPECTED_ENV, Skip, expected, unexpected
+from tests.support.skips import EXPECTED_ENV, Skip, expected, unexpected
 
 ROOT = Path(__file__).resolve().parent.parent
 CI_FILE = ROOT / ".ci" / "expected-skips"

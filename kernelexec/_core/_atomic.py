@@ -2,7 +2,7 @@
 
 A snapshot of the session is taken before the run; a run that fails is put back to it, and so
 is one its caller cancels (or whose output hook raises). The snapshots are the session's
-branches (:class:`~kernelexec._core._forking.SessionBranches`); the run pipeline calls
+branches (:class:`~kernelexec._assembly._forking.SessionBranches`); the run pipeline calls
 :meth:`AtomicRun.before`, :meth:`AtomicRun.after` and :meth:`AtomicRun.cancelled` around the run,
 with the session held.
 """
@@ -17,8 +17,8 @@ from kernelexec._core._results import Ran
 from kernelexec._observability._logtext import untrusted
 
 if TYPE_CHECKING:
+    from kernelexec._assembly._forking import SessionBranches
     from kernelexec._branching._family import AsyncSnapshot
-    from kernelexec._core._forking import SessionBranches
     from kernelexec._core._session import AsyncSession
 
 log = logging.getLogger("kernelexec.kernel")

@@ -51,8 +51,8 @@ from kernelexec._tools._tool import Tool
 if TYPE_CHECKING:
     from nbformat import NotebookNode
 
+    from kernelexec._assembly._forking import SessionBranches
     from kernelexec._branching._family import AsyncSnapshot
-    from kernelexec._core._forking import SessionBranches
     from kernelexec._durable._keeper import SessionState
     from kernelexec._recording import SessionRecorder
 

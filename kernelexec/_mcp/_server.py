@@ -148,7 +148,7 @@ class ServerState:
 async def _open_registry(
     executor_config: dict[str, Any], exposed: dict[str, Any]
 ) -> SessionRegistry:
-    from kernelexec._core._executor import AsyncKernelExecutor
+    from kernelexec._assembly._executor import AsyncKernelExecutor
 
     executor = AsyncKernelExecutor(**executor_config)
     try:

@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING, Any
 from kernelexec._exceptions import ConfigError
 
 if TYPE_CHECKING:  # the server answers initialize before the kernel machinery is imported
+    from kernelexec._assembly._executor import AsyncKernelExecutor
     from kernelexec._branching._family import AsyncSnapshot
-    from kernelexec._core._executor import AsyncKernelExecutor
     from kernelexec._core._session import AsyncSession
 
 log = logging.getLogger("kernelexec.mcp")

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kernelexec import _trees
 from kernelexec._exceptions import TreeLimitError
+from kernelexec._paths import within as within  # the loans' rule, re-exported
 from kernelexec._tempdirs import KERNEL_UID_BASE as UID_BASE
 from kernelexec._workdirs import LAYERS
 
@@ -39,11 +40,6 @@ def blocked(path: str) -> str | None:
         if stat.S_ISDIR(st.st_mode) and not st.st_mode & stat.S_IXOTH:
             return f"{current} (mode {stat.S_IMODE(st.st_mode):04o})"
     return None
-
-
-def within(inner: str, outer: str) -> bool:
-    """Whether the path ``inner`` is ``outer`` or lies in it (both normalised the same way)."""
-    return inner == outer or inner.startswith(outer.rstrip("/") + "/")
 
 
 def allow_search(path: str) -> None:

@@ -6,24 +6,38 @@ never touches zmq, processes or HTTP: the readiness handshake, installing the ke
 the execution policy (``stop_on_error``, ``allow_stdin``), the session's working directory, the
 run loop, timeouts, output limits, the tool protocol, recording and the kernel budget.
 
-Who calls what, and when (all on the executor's one event-loop thread):
+Who calls what, and when (all on the executor's one event-loop thread). "The core" is the
+executor's kernels (``_core/_executor.py``: configuration, pools, budget, lifecycle); sessions
+are assembled above it (``_assembly``), and their features reach a kernel only through the
+session's lease or through what the lease hands its watchers:
 
-* :meth:`KernelBackend.check` and :meth:`KernelBackend.fingerprint`: by the executor, once per
-  environment, before any kernel of that environment is started.
-* :meth:`KernelBackend.start`: by a warm pool when a session needs a kernel or a warm kernel is
-  refilled. It returns once the channels are connected; kernelexec then sends ``kernel_info``
-  requests until one is answered on shell and seen on iopub.
+* :meth:`KernelBackend.check`, :meth:`KernelBackend.fingerprint` and
+  :meth:`KernelBackend.isolation`: by the core, once per environment, before any kernel of that
+  environment is started (``check`` also when the executor is made, for its default one).
+* :meth:`KernelBackend.reserve` then :meth:`KernelBackend.hold`: by the core, once, when the
+  executor is made (last, after everything that may refuse its configuration);
+  :meth:`KernelBackend.release`: by the core after it has shut its kernels down at close.
+* :meth:`KernelBackend.start`: by a warm pool (``_core/_pool.py``) when a session needs a kernel
+  or a warm kernel is refilled. It returns once the channels are connected; the core's start-up
+  (``_core/_startup.py``) then sends ``kernel_info`` requests until one is answered on shell
+  and seen on iopub, and reads :meth:`KernelConnection.diagnostics` when a start fails.
 * :meth:`KernelConnection.send`: by the run loop (``execute_request``), the readiness handshake
   (``kernel_info_request``), and any later caller that needs another message (comms,
-  ``debug_request``, ``interrupt_request`` on control).
+  ``debug_request``, ``interrupt_request`` on control, the files link's requests).
 * :meth:`KernelConnection.receive`: by whoever waits for a reply (one waiter at a time per
   connection). It also reports the kernel's death, as a :class:`KernelDied` value.
+* :meth:`KernelConnection.ended`: by the session before it sends a request.
+* :meth:`KernelConnection.limit_messages`: by code mode, before a run whose code may call the
+  host.
 * :meth:`KernelConnection.interrupt`: by the run loop at a timeout or cancellation, and by
   ``Session.interrupt``; it may be called while ``receive`` is awaited.
 * :meth:`KernelConnection.restart` and :meth:`KernelConnection.shutdown`: by the pool when a
   session's kernel must be replaced, is evicted, or the executor closes.
-* :meth:`KernelBackend.hold` and :meth:`KernelBackend.release`: by the executor, when it is made
-  and after it has shut its kernels down at close.
+* :meth:`KernelConnection.enter_workdir` and :meth:`KernelConnection.lend`: by the session's
+  lease (``_core/_lease.py``) for each fresh kernel, and ``lend`` when a directory is lent.
+* :meth:`KernelConnection.connection_info` and :meth:`KernelConnection.kernel_pid`: by the
+  live-attach registration of ``attachable=True`` sessions, after each (re)start; ``kernel_pid``
+  also for logs.
 * :meth:`KernelConnection.family` (an optional capability: forking a live kernel): by
   kernelexec's branching (``kernelexec._branching``) when a session is forked or snapshotted;
   it then calls the :class:`KernelFamily` it got (see there).
@@ -224,7 +238,8 @@ class KernelConnection(abc.ABC):
         """A Jupyter connection file's content (transport, addresses, key) with which another
         client on this machine can reach the kernel, or None when it cannot (the default).
 
-        Called by the executor for ``attachable=True`` sessions only, after each (re)start.
+        Called by the live-attach registration of ``attachable=True`` sessions only, after
+        each (re)start.
         """
         return None
 

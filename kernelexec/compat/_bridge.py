@@ -19,8 +19,8 @@ from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 from kernelexec._aio import await_on, call_blocking
+from kernelexec._assembly._executor import AsyncKernelExecutor
 from kernelexec._config import make_config
-from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._core._session import AsyncSession
 from kernelexec._exceptions import ExecutorClosedError
 from kernelexec._models import ExecError, Execution

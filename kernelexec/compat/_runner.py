@@ -14,8 +14,8 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from kernelexec._aio import LoopThread
+from kernelexec._assembly._executor import AsyncKernelExecutor
 from kernelexec._config import make_config
-from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._exceptions import ExecutorClosedError
 
 T = TypeVar("T")

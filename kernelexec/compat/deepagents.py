@@ -30,7 +30,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "pip install 'kernelexec[deepagents]'"
     ) from exc
 
-from kernelexec._core._executor import AsyncKernelExecutor
+from kernelexec._assembly._executor import AsyncKernelExecutor
 from kernelexec._exceptions import (
     PathRefusedError,
     SessionFileError,

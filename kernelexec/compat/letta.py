@@ -35,12 +35,12 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from kernelexec._assembly._executor import AsyncKernelExecutor
 from kernelexec._config import make_config
-from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._envs._envs import LocalEnv, VenvEnv
 from kernelexec._exceptions import ConfigError, EnvSetupError, ExecutionTimeout
 from kernelexec._models import ToolResult
-from kernelexec._sandbox._users import within
+from kernelexec._paths import within
 from kernelexec.compat._letta_config import (
     TIMEOUT_ENV_VAR,
     LocalConfig,

@@ -68,12 +68,12 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "pip install 'kernelexec[openai-agents]'"
     ) from exc
 
+from kernelexec._assembly._executor import AsyncKernelExecutor
 from kernelexec._config import make_config
-from kernelexec._core._executor import AsyncKernelExecutor
 from kernelexec._core._session import AsyncSession
 from kernelexec._exceptions import ConfigError, KernelExecError, SessionFileError
 from kernelexec._files._commands import BackgroundCommand, cut_marker
-from kernelexec._sandbox._users import within
+from kernelexec._paths import within
 from kernelexec._sync import KernelExecutor
 from kernelexec.compat._bridge import AgentKernel, describe_execution
 

@@ -32,7 +32,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "pip install 'kernelexec[pydantic-ai]'"
     ) from exc
 
-from kernelexec._core._executor import AsyncKernelExecutor
+from kernelexec._assembly._executor import AsyncKernelExecutor
 from kernelexec._core._session import AsyncSession
 from kernelexec._exceptions import (
     ExecutorClosedError,

@@ -26,7 +26,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
         "pip install 'kernelexec[smolagents]'"
     ) from exc
 
-from kernelexec._core._executor import AsyncKernelExecutor
+from kernelexec._assembly._executor import AsyncKernelExecutor
 from kernelexec._core._session import AsyncSession
 from kernelexec._models import Execution
 from kernelexec._plaintext import strip_ansi

@@ -222,7 +222,12 @@ async def test_a_letta_pythonpath_naming_proc_gives_a_bwrap_kernel_nothing_of_th
     letta_bwrap: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     from kernelexec.compat.letta import AsyncToolSandboxKernel
-    from tests.letta_models import LocalSandboxConfig, SandboxConfig, User, create_tool_from_func
+    from tests.support.letta_models import (
+        LocalSandboxConfig,
+        SandboxConfig,
+        User,
+        create_tool_from_func,
+    )
 
     where = Path(tempfile.mkdtemp(prefix="kxletta-", dir="/run"))
     await asyncio.to_thread(where.chmod, 0o755)

@@ -28,7 +28,12 @@ from kernelexec.compat import letta
 from kernelexec.compat.letta import AsyncToolSandboxKernel
 from tests.hostile.conftest import needs_root
 from tests.hostile.test_builds import make_package
-from tests.letta_models import LocalSandboxConfig, SandboxConfig, User, create_tool_from_func
+from tests.support.letta_models import (
+    LocalSandboxConfig,
+    SandboxConfig,
+    User,
+    create_tool_from_func,
+)
 
 ROOT = str(Path(__file__).resolve().parent.parent.parent)
 pytestmark = [pytest.mark.anyio, needs_root, pytest.mark.slow]

@@ -5,7 +5,7 @@ This script downloads the sdist of the installed version of each framework, once
 the test files the adapter tests run into ``<dest>/<name>-<version>/``. Nothing of them is
 committed here: the tests import them from there (and skip, saying why, when they are absent).
 
-Usage: ``python tests/fetch_suites.py .cache/suites``
+Usage: ``python tests/support/fetch_suites.py .cache/suites``
 """
 
 from __future__ import annotations

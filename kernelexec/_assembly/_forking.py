@@ -3,8 +3,8 @@
 The processes are forked by :mod:`kernelexec._branching`; this module is the session side:
 the budget (children count against ``max_kernels``, checked before anything is forked), making
 each new kernel ready (the kernel-side helper, inherited, is installed again around the new
-kernel), the children's sessions (made by the executor), the working directory's files, and
-putting a restored kernel in place of a session's kernel.
+kernel), the children's sessions (made by the session assembly), the working directory's
+files, and putting a restored kernel in place of a session's kernel.
 
 Every method runs with the session held (its lease's lock), so a fork waits for the session's
 running call and never copies a kernel in the middle of one.
@@ -45,7 +45,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kernelexec")
 
 Adopt = Callable[["AsyncSession", KernelConnection], Awaitable["AsyncSession"]]
-"""Makes the child session of a parent session around a forked kernel (the executor's)."""
+"""Makes the child session of a parent session around a forked kernel (the assembly's)."""
 
 
 class SessionBranches:
