@@ -115,7 +115,9 @@ class ExecutorConfig(BaseModel):
             included).
         handoff_timeout: Seconds ``session(agent_id)`` waits for another executor on the
             ``state_dir`` to hand over an agent it holds (hibernated when its current call
-            ends) before raising :class:`~kernelexec.AgentBusyError`.
+            ends) before raising :class:`~kernelexec.AgentBusyError`. A dead holder on this
+            host is taken over at once; one on another host whose heartbeat stopped, after
+            10 s (keep this above that).
         setup_code: Code run in every session's fresh kernel (at its start and after every
             restart, crash or eviction) before the session's next call, so helpers and tools
             it defines are always there; a failure is the call's result

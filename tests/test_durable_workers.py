@@ -4,6 +4,7 @@ from a killed holder, and no update is lost."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -22,7 +23,14 @@ import pytest
 import kernelexec as kx
 from kernelexec._cli._main import main as cli_main
 from kernelexec._durable._handoff import STALE_S
-from kernelexec._durable._leases import Mount, check_filesystem, lock_problem, mount_of
+from kernelexec._durable._leases import (
+    LeaseBook,
+    Mount,
+    check_filesystem,
+    lock_problem,
+    mount_of,
+)
+from kernelexec._durable._store import agent_key
 from kernelexec._sandbox import _cgroups
 from kernelexec._tempdirs import sweep_stale
 from tests.conftest import wait_exited
@@ -63,12 +71,16 @@ _WORKER = textwrap.dedent(
 
 
 class Worker:
-    """A process with an executor of its own on ``state``."""
+    """A process with an executor of its own on ``state``; ``host``: a host name of its own
+    (a UTS namespace: the executor names its host as another host's would)."""
 
-    def __init__(self, state: Path, **config: Any) -> None:
+    def __init__(self, state: Path, host: str | None = None, **config: Any) -> None:
         config = {"state_dir": str(state), "default_timeout": 120, **config}
+        argv = [sys.executable, "-c", _WORKER, json.dumps(config)]
+        if host is not None:
+            argv = ["unshare", "--uts", "sh", "-c", 'hostname "$0" && exec "$@"', host, *argv]
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", _WORKER, json.dumps(config)],
+            argv,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -351,6 +363,73 @@ def test_a_hung_holder_is_named_as_not_renewing_its_lease(
         os.kill(holder.proc.pid, signal.SIGCONT)
     assert f"process {holder.proc.pid} on host" in str(e.value)
     assert "has not renewed its lease for" in str(e.value)
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="a host name of its own needs root (unshare --uts)")
+def test_a_silent_holder_on_another_host_is_taken_over_and_stands_down_when_it_wakes(
+    tmp_path: Path, workers: list[Worker]
+) -> None:
+    state = tmp_path / "state"
+    holder = Worker(state, host="kx-other-host", checkpoint="after_call")
+    workers.append(holder)
+    assert holder.run("x = 1")["error"] is None
+    kernel = int(holder.run("print(__import__('os').getpid())")["stdout"])
+    # Its host "dies": no heartbeat any more, and its lock stays held (as on NFS until the
+    # server gives up on that host). A wait of handoff_timeout would pass the test's limit.
+    os.kill(holder.proc.pid, signal.SIGSTOP)
+    woken = False
+    try:
+        with _ex(state, handoff_timeout=3600, checkpoint="after_call") as ex:
+            got = ex.run_code("print(x)\nx = 100", agent_id="a")
+            assert got.stdout == "1\n" and got.lost_variables == []
+            assert got.restored is not None and got.restored.names == ["x"]
+            holders = {h.agent_id: (h.host, h.pid) for h in LeaseBook(state).held().values()}
+            assert holders == {"a": (socket.gethostname(), os.getpid())}
+            # The old holder wakes: it finds its lease broken, writes nothing, drops its
+            # kernel, and asks for the agent back like any other executor.
+            os.kill(holder.proc.pid, signal.SIGCONT)
+            woken = True
+            assert wait_exited(kernel, timeout=120), "the woken holder kept its kernel"
+            back = holder.run("print(x)")
+            assert back["stdout"] == "100\n", back
+            assert back["restored"] == ["x"]
+    finally:
+        if not woken:
+            os.kill(holder.proc.pid, signal.SIGCONT)
+
+
+def test_a_lease_is_broken_only_while_what_was_seen_still_holds(tmp_path: Path) -> None:
+    state = tmp_path / "state"
+    state.mkdir(mode=0o700)
+    there, here = LeaseBook(state), LeaseBook(state)
+    there.host = "kx-other-host"
+    there.open()
+    here.open()
+    try:
+        assert there.try_take("a", "")
+        key = agent_key("a", "")
+        seen, lock_id = here.holder(key), here.lock_id(key)
+        assert seen is not None and lock_id is not None
+        there.renew()  # it renewed after it was seen: alive
+        assert not here.break_stale(key, seen, lock_id)
+        seen = here.holder(key)
+        assert seen is not None
+        assert not here.break_stale(key, seen, lock_id + 1)  # another lock file than seen
+        # A holder on this host is never broken: its lock goes with its process.
+        assert not here.break_stale(key, dataclasses.replace(seen, host=here.host), lock_id)
+        assert there.mine(key) and there.lost() == []
+        assert here.break_stale(key, seen, lock_id)
+        assert not here.break_stale(key, seen, lock_id)  # once
+        assert there.lost() == [key] and not there.mine(key)
+        there.forget(key)
+        assert here.try_take("a", "")
+        assert here.mine(key)  # a fresh lock file (its inode number may be the old one's)
+        there.release(key)  # a forgotten lease: the new holder's record stays
+        now = here.holder(key)
+        assert now is not None and now.token == here.token
+    finally:
+        here.close()
+        there.close()
 
 
 def test_a_holder_killed_after_unsaved_calls_has_the_next_owner_told(

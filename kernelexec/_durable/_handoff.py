@@ -11,6 +11,14 @@ agent as any wake does. A holder that cannot hand over (its session stays busy p
 deadline, the checkpoint passes ``max_checkpoint_bytes``) answers why and keeps the agent; the
 asker's :class:`~kernelexec.AgentBusyError` carries that answer. A holder that died lets its
 lock go with its process: the asker takes the agent at once, from its last checkpoint.
+
+A holder on another host may keep its lock after its host died (until the filesystem's lock
+manager gives up on it). An asker that sees such a holder's heartbeat unchanged for
+:data:`STALE_S` by its own clock (no clocks compared across hosts) breaks the lease
+(:meth:`~._leases.LeaseBook.break_stale`) and takes the agent from its last checkpoint. A
+holder that was only paused or cut off finds the lease broken when it renews: it writes nothing
+more to the agent's state (:meth:`AgentClaim.still_held`) and drops the kernel unsaved, after
+the call it may be running; its sessions ask for the agent back on their next call.
 """
 
 from __future__ import annotations
@@ -23,6 +31,7 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Protocol
 
 import anyio
+import anyio.abc
 
 from kernelexec._durable._leases import Holder, LeaseBook, Request
 from kernelexec._durable._store import agent_key
@@ -39,7 +48,8 @@ ASK_POLL_S = 0.005
 RENEW_S = 2.0
 """How often an executor renews its heartbeat."""
 STALE_S = 10.0
-"""A heartbeat older than this names its executor as not renewing (hung, or its host gone)."""
+"""A heartbeat unchanged this long names its executor as not renewing (hung, or its host
+gone); on another host, its leases are then broken."""
 
 
 class Holdable(Protocol):
@@ -58,6 +68,10 @@ class Holdable(Protocol):
 
     async def hibernate(self) -> Hibernation:
         """Save the state and give the kernel back (the caller holds the lease)."""
+
+    async def drop(self) -> None:
+        """Give the kernel back unsaved: the agent was taken away (the caller holds the
+        lease)."""
 
 
 class AgentClaim:
@@ -82,6 +96,11 @@ class AgentClaim:
     def held(self) -> bool:
         """Whether this executor holds the agent now."""
         return self._office.book.holds(self.agent_id, self.env)
+
+    def still_held(self) -> bool:
+        """Whether this executor holds the agent, checked on disk: False once another host's
+        executor broke the lease (checked before each write to the agent's state)."""
+        return self._office.book.mine(self.key)
 
     async def take(self) -> bool:
         """Hold the agent, asking its holder to hand it over if another executor holds it;
@@ -154,6 +173,7 @@ class Handoff:
         asked: tuple[Holder, str] | None = None
         last: Holder | None = None
         answer: dict[str, object] | None = None
+        watch = _Silence()
         try:
             while True:
                 if self.book.try_take(claim.agent_id, claim.env):
@@ -161,6 +181,8 @@ class Handoff:
                     return
                 holder = self.book.holder(claim.key)
                 last = holder or last
+                if holder is not None and self._broke(claim, holder, watch):
+                    continue
                 if holder is not None and (asked is None or asked[0].token != holder.token):
                     if asked is not None:
                         self.book.withdraw(*asked)
@@ -178,6 +200,25 @@ class Handoff:
             if asked is not None:
                 self.book.withdraw(*asked)
 
+    def _broke(self, claim: AgentClaim, holder: Holder, watch: _Silence) -> bool:
+        """Break ``holder``'s lease if it is on another host and ``watch`` saw it silent for
+        :data:`STALE_S`; whether it was broken."""
+        if holder.host == self.book.host:
+            return False
+        lock_id = self.book.lock_id(claim.key)
+        if lock_id is None or watch.silent_for(holder, lock_id) < STALE_S:
+            return False
+        if not self.book.break_stale(claim.key, holder, lock_id):
+            return False
+        log.warning(
+            "agent %r: its holder, %s, has not renewed its lease for %.0fs: lease broken, "
+            "the agent is taken from its last checkpoint",
+            claim.agent_id,
+            untrusted(holder.describe()),
+            STALE_S,
+        )
+        return True
+
     def _why_late(self, holder: Holder | None, answer: dict[str, object] | None) -> str:
         within = f"it did not hand it over within handoff_timeout={self.timeout:g}s"
         if answer is not None:
@@ -188,16 +229,19 @@ class Handoff:
             return f"{within}: its executor left no heartbeat, yet its lock is held"
         age = time.time() - holder.renewed_at
         if age > STALE_S:
-            return (
-                f"{within}: it has not renewed its lease for {age:.0f}s (a hung process, or a "
-                "host whose locks the filesystem has not yet released)"
+            why = (
+                "a hung process: a holder on this host keeps its lease while it lives"
+                if holder.host == self.book.host
+                else f"another host's lease is broken once seen silent for {STALE_S:g}s"
             )
+            return f"{within}: it has not renewed its lease for {age:.0f}s ({why})"
         return f"{within} and gave no answer"
 
     # -- serving ------------------------------------------------------------------------------
 
     async def serve(self) -> None:
-        """Renew the heartbeat and serve hand-over requests until cancelled."""
+        """Renew the heartbeat, drop the agents whose lease was broken, and serve hand-over
+        requests until cancelled."""
         renewed = time.monotonic()
         async with anyio.create_task_group() as group:
             while True:
@@ -209,9 +253,27 @@ class Handoff:
                     if time.monotonic() - renewed >= RENEW_S:
                         renewed = time.monotonic()
                         await asyncio.to_thread(self.book.renew)
+                        for key in await asyncio.to_thread(self.book.lost):
+                            self._forfeit(key, group)
                 except OSError as exc:  # a full disk, a filesystem gone a while: go on
                     log.warning("hand-over requests not read: %s", exc)
                 await asyncio.sleep(SERVE_POLL_S)
+
+    def _forfeit(self, key: str, group: anyio.abc.TaskGroup) -> None:
+        """Another host's executor broke the lease of ``key`` (this one had stopped renewing):
+        let it go and drop the kernel unsaved."""
+        self.book.forget(key)
+        claim = self._held.pop(key, None)
+        if claim is None:
+            return
+        log.warning(
+            "agent %r was taken over by another host's executor while this one was not "
+            "renewing its lease (paused, or cut off from the state_dir): its kernel here is "
+            "dropped unsaved",
+            claim.agent_id,
+        )
+        if claim.lease is not None:
+            group.start_soon(_drop, claim.lease)
 
     async def _serve_one(self, request: Request) -> None:
         try:
@@ -250,6 +312,31 @@ class Handoff:
             claim.release()
             self.book.done(request)
         log.info("agent %r handed over to %s", claim.agent_id, untrusted(request.asker))
+
+
+class _Silence:
+    """How long an asker has seen one holder's heartbeat and lock file unchanged, by its own
+    monotonic clock."""
+
+    def __init__(self) -> None:
+        self._seen: tuple[str, float | None, int] | None = None
+        self._since = 0.0
+
+    def silent_for(self, holder: Holder, lock_id: int) -> float:
+        """Seconds since ``holder``'s heartbeat or lock file last changed (0: changed now)."""
+        seen = (holder.token, holder.renewed_at, lock_id)
+        if seen != self._seen:
+            self._seen, self._since = seen, time.monotonic()
+        return time.monotonic() - self._since
+
+
+async def _drop(lease: Holdable) -> None:
+    try:
+        async with lease.hold():
+            if lease.has_kernel:
+                await lease.drop()
+    except Exception as exc:  # the serving loop goes on
+        log.warning("a kernel of an agent taken away was not dropped: %s", untrusted(exc))
 
 
 @asynccontextmanager

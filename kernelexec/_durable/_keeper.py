@@ -98,6 +98,9 @@ class _Handing:
     async def hibernate(self) -> Hibernation:
         return await self._state.hibernate(self._lease)
 
+    async def drop(self) -> None:
+        await self._state.forfeit(self._lease)
+
 
 class SessionState:
     """See the module docstring.
@@ -181,6 +184,23 @@ class SessionState:
         """The session's kernel is gone: another executor may take the agent."""
         if self.claim is not None:
             self.claim.release()
+
+    def _ours(self) -> bool:
+        """Whether the agent's state may be written: no other executor broke its lease."""
+        return self.claim is None or self.claim.still_held()
+
+    def _refuse_unless_ours(self) -> None:
+        if not self._ours():
+            raise StateError(
+                f"agent {self.agent_id!r} was taken over by another executor (this one had "
+                "stopped renewing its lease): nothing saved"
+            )
+
+    async def forfeit(self, lease: Hibernating) -> None:
+        """The agent was taken away (its lease broken): the kernel goes unsaved, and the next
+        call asks for the agent back, reading the disk again."""
+        self._loaded, self._files = False, None
+        await lease.give_back("saved")
 
     # -- a fresh kernel -----------------------------------------------------------------------
 
@@ -309,6 +329,8 @@ class SessionState:
             unsaved=dict.fromkeys(names, f"lost: {_ENDED}"),
             unfinished=True,
         )
+        if not self._ours():
+            return
         try:
             await asyncio.to_thread(self.store.mark, marker)
         except OSError as exc:
@@ -323,7 +345,7 @@ class SessionState:
         found = self._manifest
         if self.checkpoint != "on_evict" or found is None or found.unfinished:
             return
-        if self._since == (found.gen, names):
+        if self._since == (found.gen, names) or not self._ours():
             return
         try:
             await asyncio.to_thread(
@@ -524,6 +546,7 @@ class SessionState:
             sig = _files.signature(self.workdir)
         except OSError as exc:  # past the walk's entry bound, or unreadable
             raise StateError(f"the working directory could not be saved: {exc}") from exc
+        self._refuse_unless_ours()
         files = self._files[1] if self._files is not None and self._files[0] == sig else None
         unsaved = {str(k): str(v) for k, v in answer.get("unsaved", {}).items()}
         if files is None and sig:
@@ -552,6 +575,7 @@ class SessionState:
                 f"the checkpoint of agent {self.agent_id!r} ({manifest.size} bytes, the "
                 f"working directory's files included) passes max_checkpoint_bytes={self.limit}"
             )
+        self._refuse_unless_ours()  # again: the archive may have taken a while
         try:
             written = self.store.commit(manifest, self.staging)
         except OSError as exc:
@@ -603,6 +627,7 @@ class SessionState:
         )
 
         def write() -> None:
+            self._refuse_unless_ours()
             self.store.invalidate(self.agent_id, self.env)
             self.store.commit(manifest, None)
 
@@ -615,7 +640,8 @@ class SessionState:
         self._manifest, self._files, self._to_restore, self._loaded = None, None, False, True
 
     def _invalidate(self) -> None:
-        self.store.invalidate(self.agent_id, self.env)
+        if self._ours():  # else the checkpoint is the new holder's
+            self.store.invalidate(self.agent_id, self.env)
         self._manifest, self._files, self._to_restore, self._loaded = None, None, False, True
         self._installed.forget()  # the kernel's memory of the last save is stale too
 

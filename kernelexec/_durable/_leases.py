@@ -10,12 +10,25 @@ Layout (beside ``agents/``; private as the rest of the directory)::
             <key>.<r>.req         a hand-over request another executor dropped here
             <key>.<r>.ans         the holder's answer ("busy", or "refused" with the reason)
 
-The lock is the only thing that decides: an executor runs an agent's kernel only while it
-holds that agent's ``flock``, and the kernel releases a lock when its process ends (on a
-network filesystem, the filesystem's lock manager does, when it declares a dead host's
-locks lost). The records only say who, for a hand-over request and for ``kernelexec
-sessions``; a record of a holder whose lock is free is stale and simply overwritten. Lock files
-are never deleted: two executors locking two inodes of one name would both win.
+The lock decides: an executor runs an agent's kernel only while it holds that agent's
+``flock`` on the file the name ``<key>.lock`` links to now, and the kernel releases a lock when
+its process ends. The records only say who, for a hand-over request and for ``kernelexec
+sessions``; a record of a holder whose lock is free is stale and simply overwritten.
+
+A holder on another host whose heartbeat stops (its host died, or was cut off) may keep its
+lock for long: the filesystem's lock manager lets it go only when it declares that host's
+locks lost (NFSv4: its lease time; NFSv3: when the host comes back). So an executor that has
+seen such a heartbeat unchanged for a while, by its own clock, *breaks* the lease
+(:meth:`LeaseBook.break_stale`): under a short guard lock, and only if nothing changed
+meanwhile, it unlinks the lock file and leaves a ``<key>.revoked`` note in the holder's inbox;
+the next ``try_take`` creates a fresh lock file. A lock is taken only on the file its name
+links to after the ``flock`` (checked by inode), so nobody wins on the unlinked one. A holder
+that comes back finds its lock file gone or the note (:meth:`LeaseBook.lost`), writes nothing
+more to the agent's state and drops its kernel. A holder on this host is never broken: its
+lock goes with its process.
+
+    leases/<key>.break        flock()ed for the moment a lease is broken
+    holders/<token>/<key>.revoked   the note a breaker leaves
 
 :func:`check_filesystem` refuses, at start, a ``state_dir`` on a filesystem whose locks do not
 reach every host that may mount it, and one on which a second lock is not refused.
@@ -168,16 +181,82 @@ class LeaseBook:
 
     def _lock(self, key: str) -> bool:
         flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
-        fd = os.open(self.leases / f"{key}.lock", flags, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as exc:
+        path = self.leases / f"{key}.lock"
+        for _ in range(8):
+            fd = os.open(path, flags, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    return False
+                raise
+            if _same_file(fd, path):
+                self._fds[key] = fd
+                return True
+            os.close(fd)  # a broken lease's file, unlinked meanwhile: lock the new one
+        return False
+
+    def mine(self, key: str) -> bool:
+        """Whether this executor still holds ``key``'s lease: it locked it, its lock file is
+        still the one the name links to, and no breaker left a note (checked on disk)."""
+        fd = self._fds.get(key)
+        if fd is None or not self.mine_fd(key, fd):
+            return False
+        return not os.path.lexists(self.inbox / f"{key}.revoked")
+
+    def lost(self) -> list[str]:
+        """The keys this executor held whose lease another executor broke (:meth:`mine`)."""
+        return [key for key in list(self._fds) if not self.mine(key)]
+
+    def forget(self, key: str) -> None:
+        """Let go of a broken lease: its fd is closed, the record (now another's) is kept."""
+        fd = self._fds.pop(key, None)
+        if fd is not None:
             os.close(fd)
-            if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        with contextlib.suppress(OSError):
+            os.unlink(self.inbox / f"{key}.revoked")
+        with _TAKEN_LOCK:
+            if _TAKEN.get((*self._dir, key)) == self.token:
+                del _TAKEN[(*self._dir, key)]
+
+    def lock_id(self, key: str) -> int | None:
+        """The inode of ``key``'s lock file now (None: there is none)."""
+        try:
+            return os.lstat(self.leases / f"{key}.lock").st_ino
+        except FileNotFoundError:
+            return None
+
+    def break_stale(self, key: str, holder: Holder, lock_id: int) -> bool:
+        """Break ``holder``'s lease of ``key``: the caller saw its heartbeat (on another
+        host) unchanged for long, by its own clock, and its lock file was inode ``lock_id``.
+        Done only if all of that still holds, under the ``.break`` guard (two breakers never
+        both unlink); whether it was broken (the caller then takes the lease as usual).
+        """
+        if holder.host == self.host or holder.token == self.token:
+            return False  # a holder on this host lets its lock go with its process
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC
+        guard = os.open(self.leases / f"{key}.break", flags, 0o600)
+        try:
+            try:
+                fcntl.flock(guard, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    return False  # another executor breaks it now
+                raise
+            now = self.holder(key)
+            if now is None or now.token != holder.token or now.renewed_at != holder.renewed_at:
                 return False
-            raise
-        self._fds[key] = fd
-        return True
+            if self.lock_id(key) != lock_id or not self.locked(key):
+                return False
+            with contextlib.suppress(OSError):  # a holder that comes back reads it
+                note = {"by": f"process {self.pid} on host {self.host!r}", "at": time.time()}
+                inbox = self.root / "holders" / holder.token
+                write_atomic(inbox / f"{key}.revoked", json.dumps(note).encode())
+            os.unlink(self.leases / f"{key}.lock")
+            return True
+        finally:
+            os.close(guard)
 
     def _record(self, agent_id: str, env: str, key: str) -> None:
         record = Holder(agent_id, env, self.token, self.host, self.pid, time.time())
@@ -192,12 +271,20 @@ class LeaseBook:
         the lock is held nobody else writes the record)."""
         fd = self._fds.pop(key, None)
         if fd is not None:
-            with contextlib.suppress(FileNotFoundError):
-                os.unlink(self.leases / f"{key}.json")
+            if self.mine_fd(key, fd):  # a broken lease's record is its new holder's
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self.leases / f"{key}.json")
             os.close(fd)
         with _TAKEN_LOCK:
             if _TAKEN.get((*self._dir, key)) == self.token:
                 del _TAKEN[(*self._dir, key)]
+
+    def mine_fd(self, key: str, fd: int) -> bool:
+        """Whether ``fd`` is still ``key``'s lock file."""
+        try:
+            return _same_file(fd, self.leases / f"{key}.lock")
+        except OSError:
+            return False
 
     def holder(self, key: str) -> Holder | None:
         """Who the record of ``key`` names (None: no record, or an unreadable one)."""
@@ -320,6 +407,16 @@ class LeaseBook:
                 for entry in os.listdir(holders / token):
                     os.unlink(holders / token / entry)
                 os.rmdir(holders / token)
+
+
+def _same_file(fd: int, path: Path) -> bool:
+    """Whether ``path`` links to the file open as ``fd`` (False: it is gone, or another)."""
+    try:
+        there = os.lstat(path)
+    except FileNotFoundError:
+        return False
+    here = os.fstat(fd)
+    return (here.st_dev, here.st_ino) == (there.st_dev, there.st_ino)
 
 
 def _pid_alive(pid: object) -> bool:
