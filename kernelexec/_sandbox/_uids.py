@@ -156,7 +156,9 @@ def _processes_of(uid: int) -> list[int]:
 def sweep(uid: int, *, files: bool = True) -> list[str]:
     """Remove what ``uid`` owns: its processes (killed), SysV IPC objects, and (``files``)
     every file and directory it owns under the places every user can write
-    (:data:`SHARED_PLACES`, the host's temp dir). Returns what was removed."""
+    (:data:`SHARED_PLACES`, the host's temp dir), except what another file system mounted
+    there holds (a killed host's capped directory: :func:`kernelexec._sandbox._disk.sweep`
+    copies it back). Returns what was removed."""
     removed: list[str] = []
     for pid in _processes_of(uid):
         with contextlib.suppress(OSError):
@@ -189,12 +191,20 @@ def _sweep_dir(fd: int, where: str, uid: int, depth: int) -> list[str]:
     removed: list[str] = []
     try:
         names = os.listdir(fd)
+        here = os.fstat(fd).st_dev
     except OSError:
         return removed
     for name in names:
         try:
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
         except OSError:
+            continue
+        if st.st_dev != here:
+            # Another file system mounted here: a host's doing, never a kernel's (a killed
+            # host's capped directory, a tmpfs the kernel's user owns). Emptied, it could not be
+            # removed, and _disk.sweep would copy it back as an empty directory without the
+            # owner file that _tempdirs.sweep_stale goes by: left forever. Left whole, it is
+            # copied back as the host's, owner file and all, and swept with the host's.
             continue
         path = os.path.join(where, name)
         if st.st_uid == uid:

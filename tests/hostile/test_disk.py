@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 from pathlib import Path
 
@@ -21,8 +22,14 @@ import pytest
 
 import kernelexec as kx
 from kernelexec import _trees
-from kernelexec._sandbox import _disk
-from kernelexec._tempdirs import sweep_stale
+from kernelexec._sandbox import _disk, _uids
+from kernelexec._tempdirs import (
+    make_owned_dir,
+    owner_of,
+    process_start_time,
+    remove_tree,
+    sweep_stale,
+)
 from tests.hostile.conftest import needs_bwrap, needs_root
 
 pytestmark = [
@@ -194,21 +201,59 @@ KILLED_HOST = textwrap.dedent(
 def test_a_killed_hosts_capped_directory_is_copied_back_and_unmounted(tmp_path: Path) -> None:
     workdir = tmp_path / "sessions"
     workdir.mkdir()
+    # The host's own temp dir, like /tmp (every user may write it) but short (its kernel's
+    # sockets are made there): what it leaves is looked for there, not among every host's.
+    tmp = tempfile.mkdtemp(prefix="kxh-")
+    os.chmod(tmp, 0o1777)
     with subprocess.Popen(
         [sys.executable, "-c", KILLED_HOST, str(workdir)],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
+        env={**os.environ, "TMPDIR": tmp},
     ) as host:
         assert host.stdout is not None
         where = os.path.realpath(host.stdout.readline().strip())
         assert where in _disk.mounts()
+        (kdir,) = [e.path for e in os.scandir(tmp) if e.name.startswith("kx-")]
+        assert kdir in _disk.mounts()  # the kernel's own directory (its HOME) is capped too
+        uid = os.stat(kdir).st_uid  # the kernel's own user
         family = psutil.Process(host.pid).children(recursive=True)
         host.send_signal(signal.SIGKILL)
         host.wait()
     _, alive = psutil.wait_procs(family, timeout=60)  # its kernels die with it (PDEATHSIG)
     assert not alive
+    # What the next uid allocation in any process does for the dead holder, before any disk
+    # sweep: it emptied the kernel's capped directory, which the copy back then made a
+    # directory without its owner file, left forever (about 19 in /tmp per CI run).
+    _uids.release(uid)
     _disk.sweep()  # (another test process's executor may have swept it already)
     assert not [p for p, src in _disk.mounts().items() if src.startswith(f"kx-work:{host.pid}:")]
     assert Path(where, "result.txt").read_text() == "made before the host died"
-    sweep_stale()  # what the next executor does: the killed host's own directories go
+    sweep_stale(tmp)  # what the next executor does: the killed host's own directories go
+    assert os.listdir(tmp) == []
+    os.rmdir(tmp)
+
+
+def test_a_uid_sweep_leaves_a_capped_directory_whole_for_its_copy_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A kernel's own directory, capped (a tmpfs its user owns), in a place every user can
+    # write; its host killed. Before the fix the sweep of the kernel's uid emptied the tmpfs,
+    # owner file too, and could not remove the mount point; the copy back then made an empty
+    # directory that no sweep takes for kernelexec's.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    shared.chmod(0o1777)
+    monkeypatch.setattr(tempfile, "tempdir", str(shared))  # a place the uid sweep searches
+    uid = _uids.allocate()
+    kdir = make_owned_dir("kx-")
+    try:
+        _disk.cap(kdir, 1, uid)
+        assert kdir in _disk.mounts() and os.stat(kdir).st_uid == uid
+        _uids.sweep(uid)  # what the next allocation does once the holder is dead
+        _disk.uncap(kdir)  # what the disk sweep does for a killed host
+        assert owner_of(kdir) == (os.getpid(), process_start_time(os.getpid()))
+    finally:
+        remove_tree(kdir)
+        _uids.release(uid)
