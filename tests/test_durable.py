@@ -26,6 +26,12 @@ from tests.conftest import wait_exited
 pytestmark = pytest.mark.slow  # every test starts kernels of its own
 
 
+def _host_env() -> dict[str, str]:
+    """A host process's environment: its kernels' directories go to this process's temp dir,
+    where ``sweep_stale(tempfile.gettempdir())`` finds what a killed host left (not /tmp)."""
+    return {**os.environ, "TMPDIR": tempfile.gettempdir()}
+
+
 def _ex(state_dir: Path, **config: object) -> kx.KernelExecutor:
     return kx.KernelExecutor(state_dir=state_dir, default_timeout=60, **config)
 
@@ -149,7 +155,11 @@ def test_after_call_checkpoints_survive_a_sigkilled_host(tmp_path: Path) -> None
         """
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", host], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", host],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_host_env(),
     )
     assert proc.stdout is not None and proc.stdin is not None
     lines = [proc.stdout.readline().strip() for _ in range(3)]
@@ -465,7 +475,11 @@ def _killed_host(state: Path, body: str, config: str = "") -> list[str]:
         + "print('ready', flush=True)\nsys.stdin.read()\n"
     )
     proc = subprocess.Popen(
-        [sys.executable, "-c", host], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", host],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=_host_env(),
     )
     assert proc.stdout is not None and proc.stdin is not None
     try:

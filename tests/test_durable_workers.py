@@ -84,6 +84,8 @@ class Worker:
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
+            # Its kernels' directories in this process's temp dir, where kill() sweeps them.
+            env={**os.environ, "TMPDIR": tempfile.gettempdir()},
         )
         assert self.next() == {"ready": True}
 
