@@ -27,7 +27,7 @@ import filelock
 
 from kernelexec import _trees
 from kernelexec._tempdirs import KERNEL_UID_BASE as UID_BASE
-from kernelexec._tempdirs import process_alive, process_start_time
+from kernelexec._tempdirs import mount_points, process_alive, process_start_time
 
 UID_SPAN = 100_000_000
 """Kernel uids are ``UID_BASE`` to ``UID_BASE + UID_SPAN - 1``: far above system, login and
@@ -199,14 +199,13 @@ def _sweep_dir(fd: int, where: str, uid: int, depth: int) -> list[str]:
             st = os.stat(name, dir_fd=fd, follow_symlinks=False)
         except OSError:
             continue
-        if st.st_dev != here:
-            # Another file system mounted here: a host's doing, never a kernel's (a killed
-            # host's capped directory, a tmpfs the kernel's user owns). Emptied, it could not be
-            # removed, and _disk.sweep would copy it back as an empty directory without the
-            # owner file that _tempdirs.sweep_stale goes by: left forever. Left whole, it is
-            # copied back as the host's, owner file and all, and swept with the host's.
-            continue
         path = os.path.join(where, name)
+        if st.st_dev != here and _is_mount(path):
+            # A host's mount, never a kernel's (a killed host's capped directory: a tmpfs the
+            # kernel's user owns). Emptied, it could not be removed, and _disk.sweep would copy
+            # it back as an empty directory without the owner file _tempdirs.sweep_stale goes
+            # by: left forever. Left whole, it is copied back as the host's, owner file and all.
+            continue
         if st.st_uid == uid:
             with contextlib.suppress(OSError):
                 if stat.S_ISDIR(st.st_mode):
@@ -231,6 +230,13 @@ def _sweep_dir(fd: int, where: str, uid: int, depth: int) -> list[str]:
                 finally:
                     os.close(child)
     return removed
+
+
+def _is_mount(path: str) -> bool:
+    """Whether a file system is mounted at ``path`` (its last name not followed); not merely
+    another device (a btrfs subvolume, which an unprivileged user can make, is swept)."""
+    real = os.path.join(os.path.realpath(os.path.dirname(path)), os.path.basename(path))
+    return any(point == real for point, _, _ in mount_points())
 
 
 _IPC_RMID = 0
