@@ -44,7 +44,7 @@ OUTPUT_TYPES = frozenset(
 
 _ERROR_FLOOR = 2_000  # an error is always readable, even when prints used the whole budget
 
-_EARLY_PARENTS = 16  # requests whose output is counted aside before their run starts
+_EARLY_PARENTS = 64  # requests whose output is counted aside (threads with parents of their own)
 
 
 class Budget:
