@@ -385,14 +385,16 @@ def test_a_silent_holder_on_another_host_is_taken_over_and_stands_down_when_it_w
             assert got.restored is not None and got.restored.names == ["x"]
             holders = {h.agent_id: (h.host, h.pid) for h in LeaseBook(state).held().values()}
             assert holders == {"a": (socket.gethostname(), os.getpid())}
-            # The old holder wakes: it finds its lease broken, writes nothing, drops its
-            # kernel, and asks for the agent back like any other executor.
+            # The old holder wakes with a call waiting: it finds its lease broken before it
+            # uses its kernel, writes nothing, drops that kernel, and asks for the agent back
+            # like any other executor (that call on its old kernel would print 1).
+            holder.send(op="run", code="print(x)", agent="a")
             os.kill(holder.proc.pid, signal.SIGCONT)
             woken = True
-            assert wait_exited(kernel, timeout=120), "the woken holder kept its kernel"
-            back = holder.run("print(x)")
+            back = holder.next()
             assert back["stdout"] == "100\n", back
-            assert back["restored"] == ["x"]
+            assert back["restored"] == ["x"] and back["lost"] == []
+            assert wait_exited(kernel, timeout=120), "the woken holder kept its kernel"
     finally:
         if not woken:
             os.kill(holder.proc.pid, signal.SIGCONT)

@@ -34,6 +34,9 @@ class Journal:
         self.events.append(("attached", kernel.generation, how, kernel.conn.kernel_pid()))
         return None
 
+    async def before_use(self, kernel: LeasedKernel) -> None:
+        self.events.append(("before_use", kernel.generation))
+
     async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
         self.events.append(("leaving", kernel.generation, why, kernel.names))
         return False
@@ -67,6 +70,7 @@ async def test_a_watcher_follows_the_session_kernel_by_kernel() -> None:
         # the rejected call never reached a kernel: nothing
         ("leaving", 1, "lost", ("x",)),
         ("attached", 2, "fresh", journal.events[4][3]),  # a replacement: no "attaching"
+        ("before_use", 2),  # the next run finds that kernel attached
         ("after_run", 2, True),
         ("gone",),  # its last kernel is shut down after, unannounced
     ]

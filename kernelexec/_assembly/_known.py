@@ -153,6 +153,9 @@ class RegistryEntry:
             self._budget.register(self._lease)
         return None
 
+    async def before_use(self, kernel: LeasedKernel) -> None:
+        """Using the kernel does not move the session in the registry."""
+
     async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
         """The kernel is given back (evicted, hibernated): the registry holds the session
         weakly from now on (it may be collected at once: watchers that keep its state come

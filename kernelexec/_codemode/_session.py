@@ -92,6 +92,9 @@ class SessionCodeMode:
         knows which kernel generation has them)."""
         return None
 
+    async def before_use(self, kernel: LeasedKernel) -> None:
+        """Using the kernel does not concern code mode."""
+
     async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
         """The kernel goes, with the kernel half."""
         return False

@@ -108,6 +108,9 @@ class SessionRegistration:
         self._kernel_changed(kernel.conn)
         return None
 
+    async def before_use(self, kernel: LeasedKernel) -> None:
+        """Using the kernel changes nothing live attach shows."""
+
     async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
         """The kernel goes: its connection file too (a lost one's is rewritten by the next
         ``attached``)."""

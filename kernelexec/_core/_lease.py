@@ -87,6 +87,11 @@ class KernelWatcher(Protocol):
         ``how`` (see :data:`Arrival`). Return what was restored into it (durable state), else
         None."""
 
+    async def before_use(self, kernel: LeasedKernel) -> None:
+        """The attached kernel is about to be used again (a run, a file operation, a fork).
+        A watcher may give it back first (durable state does when another host's executor
+        took its agent away): a fresh kernel is then attached as after ``attaching``."""
+
     async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
         """``kernel`` is about to go (see :data:`Leaving`); it still runs. Return True only
         when ``why`` is ``"evict"`` and this watcher kept the kernel's state (its names are
@@ -245,6 +250,8 @@ class KernelLease:
         """The kernel to run on (taken from the pool if none is attached), and the variable
         names lost since the last run when state was lost (else None)."""
         missing: list[str] = []
+        if self._conn is not None:
+            await self._before_use()  # a watcher may give it back (its agent was taken away)
         if self._conn is None:
             await self._attaching()  # a watcher may refuse (another executor holds the agent)
             if self._pool is None:
@@ -377,6 +384,13 @@ class KernelLease:
         conn, self._conn = self._conn, None
         if conn is not None and self._pool is not None:
             await self._pool.discard(conn)
+
+    async def _before_use(self) -> None:
+        for watcher in self._watchers:
+            kernel = self.kernel
+            if kernel is None:
+                return
+            await watcher.before_use(kernel)
 
     async def _attaching(self) -> None:
         for watcher in self._watchers:

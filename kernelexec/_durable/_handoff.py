@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -47,6 +48,10 @@ ASK_POLL_S = 0.005
 """How often an asker tries the lock."""
 RENEW_S = 2.0
 """How often an executor renews its heartbeat."""
+FRESH_S = 5.0
+"""A heartbeat renewed this recently proves the leases still held: nobody breaks one before
+:data:`STALE_S` of silence. Older, a session checks its lease on disk before using its
+kernel."""
 STALE_S = 10.0
 """A heartbeat unchanged this long names its executor as not renewing (hung, or its host
 gone); on another host, its leases are then broken."""
@@ -91,11 +96,18 @@ class AgentClaim:
         """The session's kernel lease, handed over when another executor asks."""
         self._office = office
         self._lock = asyncio.Lock()
+        self.era = -1
+        """The heartbeat's era in which the lease was last known to be this executor's."""
 
     @property
     def held(self) -> bool:
         """Whether this executor holds the agent now."""
         return self._office.book.holds(self.agent_id, self.env)
+
+    async def current(self) -> bool:
+        """Whether this executor may still use the agent's kernel: it holds the agent, and
+        no other executor can have broken the lease (see :meth:`Handoff.current`)."""
+        return await self._office.current(self)
 
     def still_held(self) -> bool:
         """Whether this executor holds the agent, checked on disk: False once another host's
@@ -134,6 +146,7 @@ class Handoff:
         self.timeout = timeout
         self._held: dict[str, AgentClaim] = {}
         self._serving: set[str] = set()
+        self._beat = _Heartbeat(book)
 
     def claim(self, agent_id: str, env: str) -> AgentClaim:
         """The claim of ``agent_id`` (the one held now, or a new one)."""
@@ -142,11 +155,50 @@ class Handoff:
     def open(self) -> None:
         """Announce this executor in the store (see :meth:`LeaseBook.open`)."""
         self.book.open()
+        self._beat.start()
 
     def close(self) -> None:
         """Let every agent go and leave the store."""
+        self._beat.stop()
         self._held.clear()
         self.book.close()
+
+    async def current(self, claim: AgentClaim) -> bool:
+        """Whether ``claim``'s agent may still be used here: held, and either the heartbeat
+        is fresh (:data:`FRESH_S`) or, renewed now, the lease is still this executor's on
+        disk. An agent found taken away is let go (False).
+
+        Raises:
+            StateError: the heartbeat cannot be renewed now (the agent is kept: the next use
+                checks again).
+        """
+        if self._held.get(claim.key) is not claim or not claim.held:
+            return False
+        if self._beat.fresh(claim.era):
+            return True
+        try:
+            era, mine = await asyncio.to_thread(self._recheck, claim.key)
+        except OSError as exc:
+            raise StateError(
+                f"agent {claim.agent_id!r}: this executor cannot renew its lease in the "
+                f"state_dir now ({exc}); nothing ran"
+            ) from exc
+        if not mine:
+            self._let_go(claim.key)
+        claim.era = era
+        return mine
+
+    def _recheck(self, key: str) -> tuple[int, bool]:
+        """Renew, then check the lease of ``key`` on disk: the era it was checked in, and
+        whether it is still this executor's."""
+        self._beat.beat()
+        era = self._beat.era
+        return era, self.book.mine(key)
+
+    def _let_go(self, key: str) -> AgentClaim | None:
+        """Forget a lease another executor broke (its record is the new holder's)."""
+        self.book.forget(key)
+        return self._held.pop(key, None)
 
     def release(self, claim: AgentClaim) -> None:
         """Let ``claim``'s agent go."""
@@ -176,8 +228,10 @@ class Handoff:
         watch = _Silence()
         try:
             while True:
+                era = self._beat.era
                 if self.book.try_take(claim.agent_id, claim.env):
                     self._held[claim.key] = claim
+                    claim.era = era
                     return
                 holder = self.book.holder(claim.key)
                 last = holder or last
@@ -240,9 +294,9 @@ class Handoff:
     # -- serving ------------------------------------------------------------------------------
 
     async def serve(self) -> None:
-        """Renew the heartbeat, drop the agents whose lease was broken, and serve hand-over
-        requests until cancelled."""
-        renewed = time.monotonic()
+        """Serve hand-over requests, and drop the agents whose lease was broken, until
+        cancelled (the heartbeat is renewed on a thread of its own)."""
+        checked = time.monotonic()
         async with anyio.create_task_group() as group:
             while True:
                 try:
@@ -250,9 +304,8 @@ class Handoff:
                         if request.name not in self._serving:
                             self._serving.add(request.name)
                             group.start_soon(self._serve_one, request)
-                    if time.monotonic() - renewed >= RENEW_S:
-                        renewed = time.monotonic()
-                        await asyncio.to_thread(self.book.renew)
+                    if self._held and time.monotonic() - checked >= RENEW_S:
+                        checked = time.monotonic()
                         for key in await asyncio.to_thread(self.book.lost):
                             self._forfeit(key, group)
                 except OSError as exc:  # a full disk, a filesystem gone a while: go on
@@ -262,8 +315,7 @@ class Handoff:
     def _forfeit(self, key: str, group: anyio.abc.TaskGroup) -> None:
         """Another host's executor broke the lease of ``key`` (this one had stopped renewing):
         let it go and drop the kernel unsaved."""
-        self.book.forget(key)
-        claim = self._held.pop(key, None)
+        claim = self._let_go(key)
         if claim is None:
             return
         log.warning(
@@ -312,6 +364,68 @@ class Handoff:
             claim.release()
             self.book.done(request)
         log.info("agent %r handed over to %s", claim.agent_id, untrusted(request.asker))
+
+
+def _clock() -> float:
+    """Seconds on a clock that counts a suspended host's sleep (a holder that slept long
+    must check its leases before it uses them)."""
+    return time.clock_gettime(time.CLOCK_BOOTTIME)
+
+
+class _Heartbeat:
+    """Renews an executor's heartbeat every :data:`RENEW_S` on a thread of its own: a live
+    holder whose event loop is blocked a while (a CPU-bound handler) does not look dead."""
+
+    def __init__(self, book: LeaseBook) -> None:
+        self._book = book
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._failing = False
+        self.renewed = _clock()
+        self.era = 0
+        """Counts the gaps of :data:`FRESH_S` or more between two renewals (a paused
+        process, a host that slept, a filesystem that refused writes): a lease checked on
+        disk in an earlier era must be checked again."""
+
+    def start(self) -> None:
+        """Renew from now on (the book renewed once when it opened)."""
+        self.renewed = _clock()
+        self._thread = threading.Thread(target=self._run, name="kx-heartbeat", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        """Stop renewing (the executor closes)."""
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=30)
+
+    def fresh(self, era: int) -> bool:
+        """Whether the heartbeat was renewed within :data:`FRESH_S`, with no longer gap
+        since era ``era``."""
+        return era == self.era and _clock() - self.renewed < FRESH_S
+
+    def beat(self) -> None:
+        """Renew now.
+
+        Raises:
+            OSError: the heartbeat file could not be written.
+        """
+        self._book.renew()
+        now = _clock()
+        if now - self.renewed >= FRESH_S:
+            self.era += 1
+        self.renewed = now
+
+    def _run(self) -> None:
+        while not self._stop.wait(RENEW_S):
+            try:
+                self.beat()
+            except OSError as exc:  # a full disk, a filesystem gone a while: go on
+                if not self._failing:
+                    log.warning("the executor's heartbeat was not renewed: %s", exc)
+                self._failing = True
+            else:
+                self._failing = False
 
 
 class _Silence:

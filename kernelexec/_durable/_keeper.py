@@ -135,6 +135,7 @@ class SessionState:
     ) -> None:
         self.store = store
         self.claim = claim
+        self._lease: Hibernating | None = None
         self.secret_names = secret_names
         self.agent_id = agent_id
         self.env = env
@@ -177,8 +178,26 @@ class SessionState:
     def serve_handovers(self, lease: Hibernating) -> None:
         """Let another executor that asks for the agent have it: ``lease`` (the session's) is
         hibernated for it."""
+        self._lease = lease
         if self.claim is not None:
             self.claim.lease = _Handing(lease, self)
+
+    async def before_use(self, kernel: LeasedKernel) -> None:
+        """The kernel is about to be used: if another host's executor took the agent away
+        (this one had stopped renewing its lease), the kernel goes unsaved first, and the use
+        asks for the agent back.
+
+        Raises:
+            StateError: the lease cannot be checked now (the kernel is kept).
+        """
+        if self.claim is None or self._lease is None or await self.claim.current():
+            return
+        log.warning(
+            "agent %r was taken over by another executor while this one was not renewing its "
+            "lease: its kernel here is dropped unsaved, and the agent asked for back",
+            self.agent_id,
+        )
+        await self.forfeit(self._lease)
 
     def let_agent_go(self) -> None:
         """The session's kernel is gone: another executor may take the agent."""
@@ -199,6 +218,8 @@ class SessionState:
     async def forfeit(self, lease: Hibernating) -> None:
         """The agent was taken away (its lease broken): the kernel goes unsaved, and the next
         call asks for the agent back, reading the disk again."""
+        if self.claim is not None and self.claim.held:
+            return  # taken back meanwhile: the kernel now is the one of that take
         self._loaded, self._files = False, None
         await lease.give_back("saved")
 

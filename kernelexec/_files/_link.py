@@ -76,6 +76,9 @@ class KernelLink:
         self._installed.forget()
         return None
 
+    async def before_use(self, kernel: LeasedKernel) -> None:
+        """Using the kernel does not concern the helpers."""
+
     async def leaving(self, kernel: LeasedKernel, why: Leaving) -> bool:
         """The kernel goes (its helpers with it)."""
         return False
