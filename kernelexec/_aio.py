@@ -61,7 +61,9 @@ def call_blocking(loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, T])
     ``KeyboardInterrupt`` lands between any two bytecodes of the waiting thread, inside
     ``threading`` and ``concurrent.futures`` too, and one landing there could leave such a
     lock taken, so that the loop thread then blocked on it for good and a Ctrl-C hung the
-    program (``run_coroutine_threadsafe`` and ``Future.result`` did, under load).
+    program (``run_coroutine_threadsafe`` and ``Future.result`` did, under load). The main
+    thread waits in slices (:func:`wait_released`): a SIGINT that another thread received
+    is raised there too.
     """
     call: _BlockingCall[T] | None = None
     try:
@@ -106,11 +108,34 @@ class _BlockingCall(Generic[T]):
             loop.call_soon_threadsafe(self.cancel)
 
     def result(self) -> T:
-        self._done.acquire()
+        wait_released(self._done)
         assert self._task is not None
         if self._task.cancelled():
             raise concurrent.futures.CancelledError
         return self._task.result()
+
+
+_SIGNAL_CHECK_S = 0.05
+"""How long the main thread waits on a lock between two checks for a signal another thread
+took (the longest a Ctrl-C then waits to be raised)."""
+
+
+def wait_released(lock: threading.Lock) -> None:
+    """Acquire ``lock``, which another thread releases; on the main thread, in slices that let
+    a Ctrl-C through whichever thread the signal reached.
+
+    Python raises ``KeyboardInterrupt`` in the main thread only, but the kernel hands a
+    process-wide SIGINT to any thread that does not block it, and nothing wakes a main thread
+    blocked on a lock when another thread took the signal: the interrupt then waited for the
+    lock's release (the whole call). Another thread takes it when the main thread, woken for
+    the signal, is not running yet (a busy host) and that thread changes its signal mask
+    meanwhile, as every thread start and every subprocess launch does.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        lock.acquire()
+        return
+    while not lock.acquire(timeout=_SIGNAL_CHECK_S):
+        pass  # a pending signal's handler runs here, between two bytecodes
 
 
 async def await_on(loop: asyncio.AbstractEventLoop, work: Coroutine[Any, Any, T]) -> T:

@@ -106,6 +106,28 @@ def test_a_run_without_loss_reports_none(executor: kx.KernelExecutor) -> None:
     assert "lost" not in result.stdout
 
 
+def test_output_sent_before_the_run_starts_is_waited_for(executor: kx.KernelExecutor) -> None:
+    """ipykernel makes a request the parent of output before the run's ``pre_execute``: what
+    is sent in between (here an input transformer's print; a daemon thread's in the hostile
+    suite) is the run's. The kernel side did not count it, and the host ended the run on it
+    without the ``execute_result`` that followed (the result lost, nothing said)."""
+    s = executor.session("early-output")
+    setup = s.run_code(
+        "import sys\n"
+        "def _early(lines):\n"
+        "    sys.stdout.write('early\\n')\n"
+        "    sys.stdout.flush()  # sent now, before the run's pre_execute\n"
+        "    return lines\n"
+        "get_ipython().input_transformers_post.append(_early)"
+    )
+    assert setup.ok, setup.error
+    for _ in range(20):
+        result = s.run_code("21 * 2")
+        assert (result.result, result.lost_outputs) == ("42", 0), result
+        # IPython may transform a cell more than once (IPython 9 does twice).
+        assert result.stdout.startswith("early\n") and not result.stdout.replace("early\n", "")
+
+
 # 2. the budget is enforced in the kernel, for every kind of output --------------------------
 
 

@@ -17,6 +17,7 @@ import pytest
 
 import kernelexec as kx
 from tests.conftest import kernel_children, wait_exited
+from tests.support.procs import signal_another_thread
 
 
 def _pid(result: kx.Execution) -> int:
@@ -132,7 +133,12 @@ async def test_leaving_on_an_exception_shuts_kernels_down() -> None:
     assert pids and not kernel_children()
 
 
-def test_ctrl_c_in_a_sync_program_shuts_kernels_down(tmp_path: Path) -> None:
+@pytest.mark.parametrize("reaching", ["the process", "another thread"])
+def test_ctrl_c_in_a_sync_program_shuts_kernels_down(tmp_path: Path, reaching: str) -> None:
+    """Ctrl-C ends a blocking program and its kernels, whichever of the program's threads the
+    SIGINT reached: Python raises it in the main thread only, and a main thread blocked on a
+    lock was not woken when another thread took the signal (as Linux may, under load), so the
+    program went on until its code ended."""
     script = tmp_path / "agent.py"
     script.write_text(
         textwrap.dedent(
@@ -141,17 +147,35 @@ def test_ctrl_c_in_a_sync_program_shuts_kernels_down(tmp_path: Path) -> None:
             with kx.KernelExecutor() as ex:
                 r = ex.run_code("import os; os.getpid()")
                 print(r.result, flush=True)
-                ex.run_code("import time; time.sleep(60)", timeout=120)
+                ex.run_code(
+                    "import time; print('waiting', flush=True); time.sleep(600)",
+                    timeout=900,
+                    on_stdout=lambda text: print(text, end="", flush=True),
+                )
             """
         )
     )
     proc = subprocess.Popen(
         [sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE
     )
-    assert proc.stdout is not None
-    kernel_pid = int(proc.stdout.readline())
-    proc.send_signal(signal.SIGINT)
-    _, err = proc.communicate(timeout=60)
+    try:
+        assert proc.stdout is not None
+        kernel_pid = int(proc.stdout.readline())
+        if reaching == "the process":
+            proc.send_signal(signal.SIGINT)
+        else:
+            assert proc.stdout.readline() == b"waiting\n"  # the main thread waits for the run
+            signal_another_thread(proc.pid, signal.SIGINT)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+            pytest.fail(f"the program went on after Ctrl-C: {err.decode()[-3000:]}")
+    finally:
+        if proc.poll() is None:  # the test failed before the program ended
+            proc.kill()
+        proc.communicate()  # reaps it and closes its pipes, whatever happened
     assert proc.returncode != 0
     assert b"KeyboardInterrupt" in err
     assert not psutil.pid_exists(kernel_pid)

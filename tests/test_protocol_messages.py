@@ -82,3 +82,27 @@ def test_no_reply_reads_as_a_failed_run_without_a_report() -> None:
     assert protocol.read_reply(None) == protocol.Reply()
     empty = protocol.read_reply(_reply(report="not json"))
     assert empty.ok and empty.report is None and empty.count is None and not empty.asked_exit
+
+
+def _counted(budget: kernel_budget.Budget, run_id: str) -> dict[str, Any]:
+    reply: dict[str, Any] = {"status": "ok", "payload": []}
+    kernel_budget.account(budget, {"header": {"msg_id": run_id}}, reply)
+    return dict(reply["payload"][0])
+
+
+def test_a_runs_output_sent_before_its_budget_starts_is_counted_as_its_own() -> None:
+    """ipykernel makes a request the parent of output before its ``pre_execute`` resets the
+    budget: what is sent in between counts as the run's (the host waits for it), what other
+    requests send does not."""
+    budget = kernel_budget.Budget(10)
+    budget.reset("run-1")
+    assert budget.admit("stream", {"name": "stdout", "text": "0123456789..."}, "run-1")
+    assert budget.stream_cut  # run 1 spent its budget: what follows until a reset is dropped
+    # ipykernel took run 2: a thread's output is run 2's from here on, before run 2 starts.
+    assert not budget.admit("stream", {"name": "stdout", "text": "tick\n"}, "run-2")
+    assert budget.admit("clear_output", {"wait": False}, "run-2")
+    budget.admit("stream", {"name": "stdout", "text": "tick\n"}, "fence-1")  # other requests'
+    budget.admit("stream", {"name": "stdout", "text": "tick\n"}, None)
+    budget.reset("run-2")
+    assert budget.admit("execute_result", {"data": {"text/plain": "42"}}, "run-2")
+    assert _counted(budget, "run-2") == _count(sent=2, suppressed=1, limit=10)

@@ -11,9 +11,11 @@ from __future__ import annotations
 import concurrent.futures
 import re
 import sys
+import threading
 from collections.abc import Callable
 from typing import Any, TextIO
 
+from kernelexec._aio import wait_released
 from kernelexec._models import Execution
 from kernelexec._sync import KernelExecutor, Session
 
@@ -71,15 +73,37 @@ def run_repl(executor_config: dict[str, Any], agent: str) -> str | None:
 
 def _run(worker: concurrent.futures.Executor, session: Session, code: str) -> Execution:
     """Run ``code`` on a worker thread, so that Ctrl-C reaches this (the main) thread while the
-    code runs: each one interrupts the kernel, and the run's result is waited for."""
-    future = worker.submit(
-        session.run_code, code, on_stdout=_writer(sys.stdout), on_stderr=_writer(sys.stderr)
-    )
-    while True:
+    code runs: each one interrupts the kernel, and the run's result is waited for.
+
+    The wait is :func:`~kernelexec._aio.wait_released` on a bare lock the worker releases,
+    not ``Future.result()``: a SIGINT that another thread of this process received does not
+    wake a main thread blocked there, and the Ctrl-C then interrupted nothing until the code
+    ended (its timeout). The outcome is set before the lock is released, so a Ctrl-C that
+    lands once the wait is over still finds it.
+    """
+    outcome: list[Execution | BaseException] = []
+    finished = threading.Lock()
+    finished.acquire()
+
+    def run() -> None:
         try:
-            return future.result()
+            outcome.append(
+                session.run_code(code, on_stdout=_writer(sys.stdout), on_stderr=_writer(sys.stderr))
+            )
+        except BaseException as exc:
+            outcome.append(exc)
+        finally:
+            finished.release()
+
+    worker.submit(run)
+    while not outcome:
+        try:
+            wait_released(finished)
         except KeyboardInterrupt:
             session.interrupt()
+    if isinstance(outcome[0], BaseException):
+        raise outcome[0]
+    return outcome[0]
 
 
 def _writer(stream: TextIO) -> Callable[[str], None]:

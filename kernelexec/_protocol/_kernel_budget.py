@@ -9,6 +9,14 @@ The kernel otherwise ships a 200 MB print as one message: stdout/stderr, display
 tracebacks share ``max_output_chars``. Each run's output messages are counted, and the count
 rides on the reply (``OUTPUTS_PAYLOAD``), so the host can tell when the transport dropped some
 and, for a served call, when it has them all.
+
+**Counted from the first message.** ipykernel makes a request the parent of the kernel's output
+(of every thread without a parent of its own) as soon as it takes the request, before the run's
+``pre_execute`` resets the budget: what is sent in that gap (a daemon thread that prints every
+millisecond, an input transformer that prints) is the run's output too. Counted nowhere, it let
+the host's count reach the reply's before the run's own ``execute_result`` had arrived, and the
+host ended the run without it (the result lost, nothing said). Messages of a request that is
+not the current run are counted aside (:attr:`Budget.early`) and become the run's at its reset.
 """
 
 from __future__ import annotations
@@ -36,6 +44,8 @@ OUTPUT_TYPES = frozenset(
 
 _ERROR_FLOOR = 2_000  # an error is always readable, even when prints used the whole budget
 
+_EARLY_PARENTS = 64  # requests whose output is counted aside (threads with parents of their own)
+
 
 class Budget:
     """A run's output budget, shared by every kind of output, and its count of sent messages.
@@ -48,26 +58,47 @@ class Budget:
     def __init__(self, limit: int) -> None:
         self.limit = limit
         self.lock = threading.Lock()
+        # Output messages (sent, suppressed) of requests other than the current run, by
+        # request, the newest last: a run's own from before its reset (see the module's
+        # docstring). Bounded: only the newest requests can still become a run.
+        self.early: dict[Any, list[int]] = {}
         self.reset(None)
 
     def reset(self, run_id: str | None) -> None:
+        """Start ``run_id``'s budget; its messages sent before this count as its own."""
         with self.lock:
+            sent, suppressed = self.early.pop(run_id, (0, 0)) if run_id is not None else (0, 0)
+            self.early.clear()
             self.run_id = run_id
             self.used = 0
-            self.sent = 0  # output messages of this run handed to the session
-            self.suppressed = 0  # outputs not sent at all: the budget was spent
+            self.sent = sent  # output messages of this run handed to the session
+            self.suppressed = suppressed  # outputs not sent at all: the budget was spent
             self.stream_cut = False
             self.error_allowance = _ERROR_FLOOR
 
     def admit(self, kind: str, content: dict[str, Any], of: Any) -> bool:
-        """Fit an output message into the budget (``content`` is cut in place); False: drop it."""
+        """Fit an output message into the budget (``content`` is cut in place); False: drop it.
+
+        ``of``: the id of the request the message belongs to (its parent), counted as one of
+        the current run's, or aside (:attr:`early`) for a request that may yet become one.
+        """
         with self.lock:
             keep = self._fit(kind, content)
-            if of == self.run_id and self.run_id is not None:
+            if of is None:
+                return keep
+            if of == self.run_id:
                 if keep:
                     self.sent += 1
                 else:
                     self.suppressed += 1
+                return keep
+            counts = self.early.pop(of, None)
+            if counts is None:
+                counts = [0, 0]
+                if len(self.early) >= _EARLY_PARENTS:
+                    del self.early[next(iter(self.early))]
+            counts[0 if keep else 1] += 1
+            self.early[of] = counts  # (again) the newest
             return keep
 
     def _fit(self, kind: str, content: dict[str, Any]) -> bool:

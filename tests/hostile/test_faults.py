@@ -102,9 +102,13 @@ def test_threads_that_keep_printing_after_the_call(executor: kx.KernelExecutor) 
         "'started'"
     )
     assert first.ok and first.result == "'started'"
-    second = s.run_code("21 * 2")
-    assert second.ok and second.result == "42"
-    assert len(second.stdout) <= 1_000_100  # bounded by max_output_chars however long it runs
+    # Ticks fall anywhere around each call: before the kernel side starts counting the call's
+    # output, one made the host end the call without its result (up to 2 calls in 5 under load).
+    for _ in range(20):
+        second = s.run_code("21 * 2")
+        assert second.ok and second.result == "42", second
+        assert second.lost_outputs == 0
+        assert len(second.stdout) <= 1_000_100  # bounded by max_output_chars however long it runs
     s.restart()
     third = s.run_code("'quiet'")
     assert third.result == "'quiet'" and "tick" not in third.stdout

@@ -31,7 +31,13 @@ SPAWN = (
     "        os.write(w, str(os.getpid()).encode())\n"
     "        os.execvp('sleep', ['sleep', {double!r}])\n"
     "    os._exit(0)\n"
-    "double = int(os.read(r, 20))\n"
+    "os.close(w)\n"
+    "out = b''\n"
+    # EOF only once the grandchild runs sleep: its end of the pipe closes on exec, so the
+    # machine's process list shows it by its arguments from then on.
+    "while chunk := os.read(r, 20):\n"
+    "    out += chunk\n"
+    "double = int(out)\n"
     "(os.getpid(), daemon, double)"
 )
 

@@ -1,7 +1,11 @@
 """Processes the tests look for (through psutil): children of a process whose command line has
-a marker, and every process whose command line mentions a path."""
+a marker, and every process whose command line mentions a path; a signal that reaches a
+process through a thread other than its main one."""
 
 from __future__ import annotations
+
+import ctypes
+import os
 
 import psutil
 
@@ -84,3 +88,26 @@ def of_kind(ppid: int, what: str) -> set[int]:
         except psutil.Error:
             continue
     return found
+
+
+def signal_another_thread(pid: int, signum: int) -> int:
+    """Send ``signum`` to a thread of process ``pid`` other than its main thread, one that does
+    not block it, as Linux may hand a process-wide signal to any such thread; its id.
+
+    Python runs its signal handlers in the main thread only; this is the case where that
+    thread was not the one the signal reached.
+    """
+    libc = ctypes.CDLL(None, use_errno=True)
+    for tid in sorted(int(name) for name in os.listdir(f"/proc/{pid}/task")):
+        if tid == pid:
+            continue
+        try:
+            with open(f"/proc/{pid}/task/{tid}/status") as fh:
+                blocked = next(line for line in fh if line.startswith("SigBlk:"))
+        except (OSError, StopIteration):
+            continue  # the thread ended
+        if int(blocked.split()[1], 16) & (1 << (signum - 1)):
+            continue
+        if libc.tgkill(pid, tid, signum) == 0:
+            return tid
+    raise AssertionError(f"no thread of process {pid} but its main one takes signal {signum}")
