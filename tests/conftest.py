@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import select
 import shutil
+import signal
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -135,6 +136,22 @@ def no_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
     assert not new_dirs, f"temporary directories left behind: {new_dirs}"
     mounts = set(our_mounts()) - before_mounts
     assert not mounts, f"capped directories left mounted: {mounts}"
+
+
+@pytest.fixture
+def ctrl_c_default() -> Iterator[None]:
+    """Programs the test starts get SIGINT at its default, as a terminal's shell starts them:
+    a test run as a background job of a non-interactive shell (a CI script's ``make test &``)
+    ignores SIGINT, which its children would inherit, and Python then never raises
+    ``KeyboardInterrupt``. A handler set here is reset to the default by ``exec``."""
+    old = signal.getsignal(signal.SIGINT)
+    if old == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        yield
+    finally:
+        if old == signal.SIG_IGN:
+            signal.signal(signal.SIGINT, old)
 
 
 def our_mounts() -> dict[str, str]:

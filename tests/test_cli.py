@@ -144,6 +144,7 @@ def test_repl_keeps_state_across_inputs() -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("reaching", ["the terminal", "another thread"])
+@pytest.mark.usefixtures("ctrl_c_default")
 def test_repl_ctrl_c_interrupts_the_code_and_exit_leaves(reaching: str) -> None:
     """As in Python's REPL: Ctrl-C while code runs interrupts it (the kernel and its state
     live on), and ``exit`` leaves the REPL instead of killing the kernel. Whichever of the

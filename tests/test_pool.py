@@ -134,6 +134,7 @@ async def test_leaving_on_an_exception_shuts_kernels_down() -> None:
 
 
 @pytest.mark.parametrize("reaching", ["the process", "another thread"])
+@pytest.mark.usefixtures("ctrl_c_default")
 def test_ctrl_c_in_a_sync_program_shuts_kernels_down(tmp_path: Path, reaching: str) -> None:
     """Ctrl-C ends a blocking program and its kernels, whichever of the program's threads the
     SIGINT reached: Python raises it in the main thread only, and a main thread blocked on a
