@@ -103,6 +103,17 @@ def _owned_by(uid: int, *roots: str) -> list[str]:
     return found
 
 
+def _tenant_processes(uids: tuple[int, ...], namespace: str) -> set[tuple[int, float]]:
+    """The processes (pid, start time) running as one of ``uids`` or in mount ``namespace``."""
+    found = set()
+    for proc in psutil.process_iter():
+        with contextlib.suppress(psutil.Error, OSError):  # pid 1 here: EACCES
+            theirs = proc.uids().real in uids
+            if theirs or os.readlink(f"/proc/{proc.pid}/ns/mnt") == namespace:
+                found.add((proc.pid, proc.create_time()))
+    return found
+
+
 @needs_root
 @pytest.mark.parametrize("host", ["bridged", "reachable"])
 def test_process_tenants_on_a_root_host_run_as_separate_users(
@@ -136,6 +147,10 @@ def test_process_tenants_on_a_root_host_run_as_separate_users(
             pid = a.run_code("import os; os.getpid()").result
             namespace = os.readlink(f"/proc/{pid}/ns/mnt")
             workdir = str(a.workdir.parent)
+            # What runs as the tenants or in the namespace before the close: once released,
+            # their uids and the namespace's inode number may go to another suite's kernels.
+            before = _tenant_processes((uid_a, uid_b), namespace)
+            assert before  # the kernels, at least
         assert found == {"read": [], "reached": [], "environ": [], "own_env": False}
         assert uid_a != uid_b and min(uid_a, uid_b) >= 2_000_000_000
         assert cwd.result == f"('0o40700', {uid_a})"
@@ -145,13 +160,7 @@ def test_process_tenants_on_a_root_host_run_as_separate_users(
         # The kernel had a mount namespace of its own (its private /tmp, and the bridges),
         # and nothing holds it once the kernel is gone.
         assert namespace != os.readlink("/proc/self/ns/mnt")
-        left = []
-        for proc in psutil.process_iter():
-            with contextlib.suppress(psutil.Error, OSError):  # pid 1 here: EACCES
-                theirs = proc.uids().real in (uid_a, uid_b)
-                if theirs or os.readlink(f"/proc/{proc.pid}/ns/mnt") == namespace:
-                    left.append(proc.pid)
-        assert left == []
+        assert _tenant_processes((uid_a, uid_b), namespace) & before == set()
         assert _owned_by(uid_a, tempfile.gettempdir()) == []
         assert not os.path.exists(workdir)  # the executor's own directory went with it
     finally:
