@@ -197,6 +197,12 @@ class LeaseBook:
             os.close(fd)  # a broken lease's file, unlinked meanwhile: lock the new one
         return False
 
+    def _untake(self, key: str) -> None:
+        """Take ``key`` out of this process's table of held leases, if this executor is in it."""
+        with _TAKEN_LOCK:
+            if _TAKEN.get((*self._dir, key)) == self.token:
+                del _TAKEN[(*self._dir, key)]
+
     def mine(self, key: str) -> bool:
         """Whether this executor still holds ``key``'s lease: it locked it, its lock file is
         still the one the name links to, and no breaker left a note (checked on disk)."""
@@ -216,9 +222,7 @@ class LeaseBook:
             os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(self.inbox / f"{key}.revoked")
-        with _TAKEN_LOCK:
-            if _TAKEN.get((*self._dir, key)) == self.token:
-                del _TAKEN[(*self._dir, key)]
+        self._untake(key)
 
     def lock_id(self, key: str) -> int | None:
         """The inode of ``key``'s lock file now (None: there is none)."""
@@ -275,9 +279,7 @@ class LeaseBook:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self.leases / f"{key}.json")
             os.close(fd)
-        with _TAKEN_LOCK:
-            if _TAKEN.get((*self._dir, key)) == self.token:
-                del _TAKEN[(*self._dir, key)]
+        self._untake(key)
 
     def mine_fd(self, key: str, fd: int) -> bool:
         """Whether ``fd`` is still ``key``'s lock file."""
