@@ -51,6 +51,7 @@ from kernelexec._protocol._host import CodeRun, ToolCall
 
 if TYPE_CHECKING:
     from kernelexec._codemode._session import OneCall
+    from kernelexec.backends._base import KernelConnection
 
 log = logging.getLogger("kernelexec.kernel")
 
@@ -76,7 +77,7 @@ class RunLimits:
 
 
 class RunPipeline:
-    """One session's runs (see the module docstring). Every method but :meth:`interrupted`
+    """One session's runs (see the module docstring). Every method but :meth:`interrupt`
     and :meth:`close` runs with the session held.
 
     Args:
@@ -448,8 +449,13 @@ class RunPipeline:
             outputs = self._hosts.for_caller(outputs)
         return result.model_copy(update={**update, "outputs": outputs})
 
-    def interrupted(self) -> None:
-        """The session's run is being interrupted (its host calls are cancelled)."""
+    async def interrupt(self, conn: KernelConnection) -> None:
+        """Interrupt the run in progress on ``conn`` (held until its code runs, see
+        :meth:`RunOutcome.interrupt_now`), or whatever the kernel runs when none is; its host
+        calls are cancelled."""
+        current = self._current
+        if current is None or current.interrupt_now():
+            await conn.interrupt()
         if self._hosts is not None:
             self._hosts.interrupted()
 

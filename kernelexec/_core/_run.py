@@ -60,12 +60,28 @@ class RunOutcome:
     started: bool = False  # the kernel acknowledged the request (any message for it arrived)
     idle: bool = False  # the iopub ``status: idle`` for the request arrived
     cancelled: bool = False  # the caller cancelled the run
+    executing: bool = False  # the request's ``execute_input`` arrived: its code is running
+    interrupt_waits: bool = False  # an interrupt is held until the code runs (see ``interrupt``)
+    announces_start: bool = False  # the request publishes an ``execute_input`` (not silent)
     _read: tuple[dict[str, Any] | None, Reply] | None = field(default=None, repr=False)
 
     @property
     def died(self) -> bool:
         """Whether the kernel died during the run."""
         return self.death is not None
+
+    def interrupt_now(self) -> bool:
+        """Whether an interrupt of this run may be sent now; else it is held (``True`` again
+        once the run's ``execute_input`` arrives, and the run loop sends it then).
+
+        ipykernel ignores SIGINT between shell requests and installs the default handler only
+        when the request's handler starts, so a SIGINT that reaches a kernel still reading
+        its queue (a loaded machine, a CPU-capped kernel) is dropped, and the code then runs
+        to its deadline. A request that announces its start waits for it."""
+        if self.executing or not self.announces_start:
+            return True
+        self.interrupt_waits = True
+        return False
 
     def read(self) -> Reply:
         """The reply as kernelexec reads it (:func:`~kernelexec._protocol._host.read_reply`),
@@ -113,6 +129,7 @@ async def run_request(
     and an interrupt cancels them.
     """
     out = out if out is not None else RunOutcome()
+    out.announces_start = request.announces_start
     collector = OutputCollector(out.collected, max_output_chars, callbacks or Callbacks())
     start = time.monotonic()
     content = request.content()
@@ -187,7 +204,7 @@ async def _collect(
                 break  # the reply came but its idle was lost: keep what arrived
             if not out.timed_out:
                 out.timed_out = True
-                await conn.interrupt()
+                await _interrupt(conn, out)
                 if run.host is not None:
                     run.host.interrupted()
                 deadline = now + interrupt_grace
@@ -201,6 +218,22 @@ async def _collect(
             deadline = min(deadline, time.monotonic() + output_grace)
         if out.death is not None:
             break
+        await _held_interrupt(conn, out)
+
+
+async def _interrupt(conn: KernelConnection, out: RunOutcome) -> None:
+    """Interrupt the run now, or once its code runs (:meth:`RunOutcome.interrupt_now`)."""
+    if out.interrupt_now():
+        await conn.interrupt()
+
+
+async def _held_interrupt(conn: KernelConnection, out: RunOutcome) -> None:
+    """Send an interrupt held for the run's start once it has started (or replied: a reply
+    with its code never run has nothing left to interrupt)."""
+    if out.interrupt_waits and (out.executing or out.reply is not None):
+        out.interrupt_waits = False
+        if out.executing and out.reply is None:
+            await conn.interrupt()
 
 
 async def _take(msg: KernelMessage | KernelDied, run: _Run) -> bool:
@@ -216,6 +249,8 @@ async def _take(msg: KernelMessage | KernelDied, run: _Run) -> bool:
             return out.reply is not None  # the reply is in and final: the grace starts
         return False
     out.started = True
+    if msg.msg_type == "execute_input" and msg.channel == "iopub":
+        out.executing = True
     if msg.channel == "shell":
         if msg.msg_type == run.reply_type and not run.fenced:
             # Before the fence's answer the last reply is the kernel side's own.
@@ -236,7 +271,7 @@ async def _wind_down(conn: KernelConnection, run: _Run, interrupt_grace: float) 
     out = run.out
     run.collector.callbacks = Callbacks()  # the caller is gone
     if not run.replied and out.death is None:
-        await conn.interrupt()
+        await _interrupt(conn, out)
     if run.host is not None:
         run.host.interrupted()
     deadline = time.monotonic() + interrupt_grace
@@ -248,3 +283,4 @@ async def _wind_down(conn: KernelConnection, run: _Run, interrupt_grace: float) 
         msg = await conn.receive(deadline - now)
         if msg is not None:
             await _take(msg, run)
+            await _held_interrupt(conn, out)

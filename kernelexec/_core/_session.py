@@ -403,8 +403,7 @@ class AsyncSession:
         self._state.check()
         conn = self._lease.connection
         if conn is not None:
-            await conn.interrupt()
-        self._runs.interrupted()
+            await self._runs.interrupt(conn)
 
     async def restart(self) -> None:
         """Replace the kernel with a fresh one now; all state is lost."""

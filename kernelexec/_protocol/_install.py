@@ -99,6 +99,13 @@ class ExecuteRequest:
         """Whether the kernel sends no busy/idle for it (its reply counts its outputs)."""
         return self.msg_type == kernel_side.CALL_REQUEST
 
+    @property
+    def announces_start(self) -> bool:
+        """Whether the kernel publishes an ``execute_input`` once it runs the request's code
+        (a request that is not silent): only from then on does a SIGINT reach the code, as
+        ipykernel ignores SIGINT until a shell handler starts."""
+        return self.msg_type == "execute_request" and not self.silent
+
     def content(self) -> dict[str, Any]:
         """The message content, with kernelexec's execution policy for every backend: no
         stdin (a tool asking for input fails instead of hanging) and no aborting of queued
