@@ -28,6 +28,7 @@ from typing import Any
 import psutil
 import pytest
 
+from kernelexec._tempdirs import remove_tree
 from tests.support.procs import mentioning
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -144,7 +145,10 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
         for proc in left:
             with contextlib.suppress(psutil.Error):
                 proc.kill()
-        shutil.rmtree(short, ignore_errors=True)
+        # The debugger's sandbox kernels' capped directories are still mounted in there when
+        # the server's kernels have gone (a plain rmtree left one /tmp/kxb-* per run).
+        remove_tree(str(short))
+        assert not short.exists(), f"{short} was not removed"
         assert not left, f"processes left running after the server stopped: {left}"
 
 
