@@ -38,6 +38,10 @@ MAX_DEPTH = 128
 MAX_ENTRIES = 100_000
 """Entries a walk visits; also the inode cap of a capped directory (:mod:`._sandbox._disk`)."""
 
+SOCKET = "a socket (not copied)"
+"""Why a copy left a socket out: a socket file is an address, not data; once its process is
+gone (a stopped kernel's ipc sockets) nothing is lost with it."""
+
 _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _FILE = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 _NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -274,8 +278,10 @@ def _copy_entry(
         if stat.S_ISCHR(st.st_mode) and st.st_rdev == 0 and whiteouts:
             os.mknod(name, stat.S_IFCHR | 0o600, 0, dir_fd=here)
             return None
+        if stat.S_ISSOCK(st.st_mode):
+            return SOCKET
         if not stat.S_ISREG(st.st_mode):
-            return "a FIFO, socket or device (not copied)"
+            return "a FIFO or device (not copied)"
         key = (st.st_dev, st.st_ino)
         if inside is not None and st.st_nlink > 1 and inside.get(key, 0) < st.st_nlink:
             return "a file with links outside the tree (not copied)"

@@ -152,18 +152,17 @@ def uncap(path: str) -> None:
         return
     out = tempfile.mkdtemp(prefix=".kx-out-", dir=os.path.dirname(path))
     try:
-        left_out = copy_tree(path, out)
+        left_out = _copy(path, out)
     except TreeLimitError as exc:
         # The tenant's own doing (a tree past the walk's bounds): what was copied is kept and
         # the mount goes, or it would outlive every host.
-        left_out = [f"(the copy stopped: {exc})"]
+        left_out = {f"(the copy stopped: {exc})": str(exc)}
     except BaseException:
         # The host's trouble (out of space or descriptors): the mount stays, with every file,
         # for a later try (this host's next start of the session, or the next host's sweep).
         _trees.remove(out)
         raise
-    if left_out:
-        log.warning("left out of the copy back of %s: %r", path, left_out)
+    _tell_left_out(path, left_out)
     _unmount(path)
     with contextlib.suppress(OSError):  # emptied when it was capped; a stale mount may hide more
         os.rmdir(path)
@@ -294,4 +293,20 @@ def copy_tree(src: str, dst: str, *, outside_links: bool = True) -> list[str]:
     link planted to a file elsewhere on the host never reaches a kernel's user (as
     ``_users.hand_over`` never hands such a file over).
     """
-    return sorted(_workdirs.copy(src, dst, _workdirs.CAPPED, outside_links=outside_links))
+    return sorted(_copy(src, dst, outside_links=outside_links))
+
+
+def _copy(src: str, dst: str, *, outside_links: bool = True) -> dict[str, str]:
+    return _workdirs.copy(src, dst, _workdirs.CAPPED, outside_links=outside_links)
+
+
+def _tell_left_out(path: str, left_out: dict[str, str]) -> None:
+    """Log what a copy back left out: a warning for what held data, sockets only at debug
+    level (a stopped kernel's ipc sockets, its host killed, are found by the next host's
+    sweep; warned of, they reached a notebook's stderr)."""
+    sockets = sorted(p for p, why in left_out.items() if why == _trees.SOCKET)
+    rest = sorted(p for p in left_out if p not in sockets)
+    if rest:
+        log.warning("left out of the copy back of %s: %r", path, rest)
+    if sockets:
+        log.debug("sockets left out of the copy back of %s: %r", path, sockets)

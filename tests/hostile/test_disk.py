@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -257,3 +258,27 @@ def test_a_uid_sweep_leaves_a_capped_directory_whole_for_its_copy_back(
     finally:
         remove_tree(kdir)
         _uids.release(uid)
+
+
+def test_a_copy_back_warns_of_what_held_data_and_not_of_sockets(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # A killed host's kernel directory (capped: HOME) still holds its kernel's ipc sockets; the
+    # next host's sweep copied it back and warned of them, and a notebook whose executor ran
+    # that sweep showed the warning on stderr (pair 1, 2026-12-05). A FIFO is still named.
+    caplog.set_level("DEBUG", logger="kernelexec")
+    kdir = tmp_path / "kx-home"
+    kdir.mkdir()
+    _disk.cap(str(kdir), 8, os.getuid())
+    try:
+        with socket.socket(socket.AF_UNIX) as sock:
+            sock.bind(str(kdir / "s-1"))
+        os.mkfifo(kdir / "pipe")
+        (kdir / "kept").write_text("data")
+    finally:
+        _disk.uncap(str(kdir))
+    assert (kdir / "kept").read_text() == "data"
+    warned = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert warned == [f"left out of the copy back of {kdir}: ['pipe']"], warned
+    debug = [r.getMessage() for r in caplog.records if r.levelname == "DEBUG"]
+    assert f"sockets left out of the copy back of {kdir}: ['s-1']" in debug, debug
