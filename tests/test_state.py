@@ -102,6 +102,27 @@ def test_variables_are_listed_and_bounded_whatever_their_repr_does() -> None:
         assert r.stdout == "7\n", r
 
 
+def test_a_repr_cut_by_its_deadline_is_charged_in_full_and_a_remainder_is_no_try() -> None:
+    """Two suites at once: the third slow repr of the listing above was given the few
+    microseconds its predecessor was under-charged, and was run instead of "ran out"."""
+    from kernelexec._namespace import _kernel_namespace as side
+
+    class Pausing:
+        def __repr__(self) -> str:
+            time.sleep(60)
+            return "never"
+
+    budget = [0.05]
+    text = side._bounded_repr(Pausing(), "Pausing", budget)
+    assert text == "<Pausing object: its repr took longer than 0.05 s>"
+    assert budget[0] <= 0, budget
+    budget = [0.01]  # under LEAST_SECONDS
+    text = side._bounded_repr(Pausing(), "Pausing", budget)
+    assert text == "<Pausing object: not shown, the listing's time for reprs ran out>"
+    assert budget == [0.01]
+    assert side.LEAST_SECONDS > 0.01
+
+
 async def test_every_result_says_what_changed(add_tool: kx.Tool) -> None:
     async with kx.AsyncKernelExecutor() as ex:
         s = await ex.session("changes")

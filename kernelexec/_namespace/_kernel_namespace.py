@@ -42,6 +42,9 @@ REPR_SECONDS = 0.25
 TOTAL_SECONDS = 0.6
 """How long all the values' ``__repr__`` together may run in one listing."""
 
+LEAST_SECONDS = 0.02
+"""The shortest time a ``__repr__`` is given: below it, the listing's time has run out."""
+
 _HIDDEN = {"In", "Out", "exit", "quit", "get_ipython", "open"}
 _SCALARS = (bool, int, float, complex, type(None))
 _CONTAINERS = (list, tuple, dict, set, frozenset)
@@ -271,7 +274,7 @@ def _module(cls: type) -> str:
 
 
 def _bounded_repr(value: Any, name: str, budget: list[float]) -> str:
-    if budget[0] <= 0:
+    if budget[0] < LEAST_SECONDS:
         return f"<{name} object: not shown, the listing's time for reprs ran out>"
     if threading.current_thread() is not threading.main_thread():
         return f"<{name} object>"
@@ -283,9 +286,11 @@ def _bounded_repr(value: Any, name: str, budget: list[float]) -> str:
         if armed[0]:
             raise _Deadline  # re-armed every 50 ms, for a repr that catches it and goes on
 
+    # Started before the timer is set, so a repr cut by it is charged all its time: read
+    # after, the clock could charge a little less and leave a remainder of microseconds.
+    started = time.monotonic()
     previous = signal.signal(signal.SIGALRM, expire)
     old_timer = signal.setitimer(signal.ITIMER_REAL, allowed, 0.05)
-    started = time.monotonic()
     try:
         try:
             text = repr(value)
