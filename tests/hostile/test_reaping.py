@@ -10,6 +10,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import time
 import uuid
 from collections.abc import Callable
 
@@ -33,8 +34,8 @@ SPAWN = (
     "    os._exit(0)\n"
     "os.close(w)\n"
     "out = b''\n"
-    # EOF only once the grandchild runs sleep: its end of the pipe closes on exec, so the
-    # machine's process list shows it by its arguments from then on.
+    # EOF once the grandchild is in its exec of sleep: its end of the pipe closes there
+    # (its arguments show a moment later: see _shown).
     "while chunk := os.read(r, 20):\n"
     "    out += chunk\n"
     "double = int(out)\n"
@@ -55,6 +56,16 @@ def _pgrep(*args: str) -> list[int]:
     return [int(p) for p in out.split()]
 
 
+def _shown(*args: str) -> list[int]:
+    """``_pgrep(*args)`` once each of ``args`` shows: a child's close-on-exec pipe closes (and
+    ``Popen`` returns) part way through its exec, before the kernel has set its arguments up,
+    and a loaded machine can hold it there while the test already looks for it."""
+    deadline = time.monotonic() + 30.0
+    while len(found := _pgrep(*args)) < len(args) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return found
+
+
 def _spawn(session: kx.Session, daemon: str, double: str) -> list[int]:
     result = session.run_code(SPAWN.format(daemon=daemon, double=double))
     assert result.ok, result.error
@@ -68,7 +79,7 @@ def test_descendants_are_gone_after_restart_and_shutdown(level: str) -> None:
         marks = [_marked(607), _marked(608)]
         first = _spawn(s, *marks)
         if level == "bwrap":  # pids of another namespace: find them by what they run
-            first = _pgrep(*marks)
+            first = _shown(*marks)
             assert len(first) == 2
         s.restart()
         assert gone(first) == []
@@ -77,7 +88,7 @@ def test_descendants_are_gone_after_restart_and_shutdown(level: str) -> None:
         second = _spawn(s, *marks)
         if level == "bwrap":
             second = []
-        left = _pgrep(*marks)
+        left = _shown(*marks)
         assert len(left) == 2  # the second pair, alive until shutdown
     assert gone(second + left) == []
 
@@ -93,7 +104,7 @@ def test_descendants_die_with_a_sigkilled_host(level: str) -> None:
         out = ex.session('h').run_code(
             "import subprocess; subprocess.Popen(['sleep', {mark!r}], start_new_session=True).pid"
         )
-        print(out.result, flush=True)
+        print(out.result if out.ok else out.error, flush=True)
         sys.stdin.read()
         """
     )
@@ -105,21 +116,33 @@ def test_descendants_die_with_a_sigkilled_host(level: str) -> None:
         text=True,
         env={**os.environ, "TMPDIR": tmp},
     )
+    try:
+        _kill_the_host_and_check(proc, mark, tmp)
+    finally:
+        # A failed check must not leave the host (and its kernel) to the next test.
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+            sweep_stale(tmp)
+        for pipe in (proc.stdin, proc.stdout):
+            if pipe is not None:
+                pipe.close()
+
+
+def _kill_the_host_and_check(proc: subprocess.Popen[str], mark: str, tmp: str) -> None:
     assert proc.stdout is not None
-    assert proc.stdout.readline().strip().isdigit()
+    line = proc.stdout.readline().strip()
+    assert line.isdigit(), line
     children = psutil.Process(proc.pid).children()
     # The host's one namespace helper (kernelexec._sandbox._nshelper: capped and lent directories)
     helpers = [c.pid for c in children if c.name() == "kx-ns-helper"]
     launchers = [c.pid for c in children if c.pid not in helpers]
-    daemons = _pgrep(mark)
-    assert len(launchers) == 1 and len(daemons) == 1
+    daemons = _shown(mark)
+    assert len(launchers) == 1 and len(daemons) == 1, (launchers, daemons)
     groups = _host_groups(proc.pid)
     assert groups or _cgroups.support().kill is None
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
-    proc.stdout.close()
-    assert proc.stdin is not None
-    proc.stdin.close()
     assert gone(launchers + daemons + helpers) == []
     # What the dead host could not remove is swept by the next one.
     removed = sweep_stale(tmp)
