@@ -101,17 +101,22 @@ def kernels_of(pid: int) -> set[int]:
     of ``pid`` (forked kernels carry the server's command line)."""
     found = set()
     for server in of_kind(pid, "fork server"):
-        found |= {k.pid for k in psutil.Process(server).children() if _running(k)}
+        try:
+            forked = psutil.Process(server).children()
+        except psutil.NoSuchProcess:
+            continue
+        found |= {k.pid for k in forked if _running(k.pid)}
     for child in of_kind(pid, "launcher") | of_kind(pid, "kernel"):
-        if _running(psutil.Process(child)):
+        if _running(child):
             found.add(child)
     return found
 
 
-def _running(proc: psutil.Process) -> bool:
-    """Not a zombie: a process that has exited is reaped by its parent a moment later."""
+def _running(pid: int) -> bool:
+    """Not a zombie, and not gone: a kernel being stopped exits, and is reaped, at any moment
+    between the listing of its parent's children and this look at it."""
     try:
-        return proc.status() != psutil.STATUS_ZOMBIE
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 
