@@ -344,6 +344,9 @@ class RunPipeline:
         try:
             return await self._lease.replace(), None
         except (KernelStartError, PoolExhaustedError) as exc:
+            log.warning(
+                "agent %r: no fresh kernel could be started: %s", self._agent_id, untrusted(exc)
+            )
             return [], (
                 f"; no fresh kernel could be started ({exc}): the state ({names}) is lost, "
                 "and the next call starts a kernel and says so"
