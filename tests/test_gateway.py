@@ -46,6 +46,13 @@ def no_gateway_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
         assert gw.kernels() == [], "kernels left running on the gateway"
 
 
+REPLACING = 120.0
+"""``start_timeout`` for the tests that have a kernel replaced: a replacement on the gateway pays
+for the old kernel's DELETE (up to about 5 s of Jupyter's shutdown wait) and a cold start in one
+budget, and a port taken from under the fresh kernel stalls the gateway's handshake for its
+``kernel_info_timeout`` (60 s) while Jupyter restarts it on new ports."""
+
+
 def backend(gw: Gateway, **options: object) -> GatewayBackend:
     return GatewayBackend(gw.url, token=gw.token, **options)  # type: ignore[arg-type]
 
@@ -137,7 +144,9 @@ def test_timeout_interrupts_and_keeps_state(gateway: Gateway) -> None:
 
 @pytest.mark.slow
 def test_kernel_killed_from_inside_is_replaced(gateway: Gateway) -> None:
-    with kx.KernelExecutor(backend=backend(gateway), default_timeout=30) as ex:
+    with kx.KernelExecutor(
+        backend=backend(gateway), default_timeout=30, start_timeout=REPLACING
+    ) as ex:
         s = ex.session()
         s.run_code("x = 1")
         r = s.run_code("import os, signal; os.kill(os.getpid(), signal.SIGKILL)")
@@ -173,7 +182,10 @@ def test_executor_env_vars_reach_kernels_the_gateway_does_not_whitelist(
         "def probe() -> str:\n    import os\n    return os.environ.get('KX_SET', 'unset')\n"
     )
     with kx.KernelExecutor(
-        backend=backend(gateway), env_vars={"KX_SET": "s1"}, default_timeout=30
+        backend=backend(gateway),
+        env_vars={"KX_SET": "s1"},
+        default_timeout=30,
+        start_timeout=REPLACING,
     ) as ex:
         s = ex.session()
         assert s.run_code("import os; os.environ.get('KX_SET')").result == "'s1'"
@@ -242,7 +254,7 @@ def test_a_token_over_plain_http_to_another_host_warns(caplog: pytest.LogCapture
 @pytest.mark.anyio
 async def test_pool_prewarms_and_culls_on_the_gateway(gateway: Gateway) -> None:
     async with kx.AsyncKernelExecutor(
-        backend=backend(gateway), prewarm=1, idle_timeout=0.5, default_timeout=30
+        backend=backend(gateway), prewarm=1, idle_timeout=2, default_timeout=30
     ) as ex:
         await ex.warm_up()
         assert len(gateway.kernels()) == 1  # warm before any session asked
@@ -303,7 +315,9 @@ def test_kernelspecs_are_part_of_the_fingerprint(gateway: Gateway) -> None:
 
 def test_a_message_over_max_message_bytes_is_a_clear_death(gateway: Gateway) -> None:
     with kx.KernelExecutor(
-        backend=backend(gateway, max_message_bytes=50_000), default_timeout=30
+        backend=backend(gateway, max_message_bytes=50_000),
+        default_timeout=30,
+        start_timeout=REPLACING,
     ) as ex:
         assert ex.run_code("x = 1; print('small')").ok
         r = ex.run_code("print('z' * 100_000)")
@@ -314,6 +328,23 @@ def test_a_message_over_max_message_bytes_is_a_clear_death(gateway: Gateway) -> 
         why = f"{r.error.evalue}\n--- the gateway's log:\n{gateway.log[-4000:]}"
         assert r.kernel_restarted and r.lost_variables == ["x"], why
         assert ex.run_code("1 + 1").result == "2"
+
+
+@pytest.mark.anyio
+async def test_a_fresh_kernel_does_not_carry_the_last_ones_disconnection(gateway: Gateway) -> None:
+    async with kx.AsyncKernelExecutor(
+        backend=backend(gateway, max_message_bytes=50_000),
+        default_timeout=30,
+        start_timeout=REPLACING,
+    ) as ex:
+        s = await ex.session()
+        r = await s.run_code("print('z' * 100_000)")
+        assert r.error is not None and r.error.kind == "kernel_died" and r.kernel_restarted
+        conn = s.lease.connection
+        assert conn is not None
+        # What a failure of the fresh kernel would end with: nothing of the 1009 close.
+        assert conn.diagnostics() == ""
+        assert (await s.run_code("1 + 1")).result == "2"
 
 
 def test_unreachable_gateway_names_the_url() -> None:
@@ -328,7 +359,9 @@ def test_unreachable_gateway_names_the_url() -> None:
 
 @pytest.mark.slow
 def test_kernel_deleted_behind_our_back(gateway: Gateway) -> None:
-    with kx.KernelExecutor(backend=backend(gateway), default_timeout=30) as ex:
+    with kx.KernelExecutor(
+        backend=backend(gateway), default_timeout=30, start_timeout=REPLACING
+    ) as ex:
         s = ex.session()
         s.run_code("x = 1")
         (kernel,) = gateway.kernels()

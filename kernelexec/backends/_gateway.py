@@ -248,6 +248,7 @@ class GatewayConnection(KernelConnection):
         self._died = None
         self._outbox.clear()
         self._seen.clear()
+        self._drop_reason = ""  # the last kernel's: it would be read as this one's failure
         self._session = uuid.uuid4().hex
         start = asyncio.ensure_future(
             self._rest.start_kernel(self._kernel_name, self._env, self._backend.path)
