@@ -390,7 +390,8 @@ def test_a_kernel_that_dies_at_start_says_why(tmp_path: Path) -> None:
 def test_start_timeout_bounds_a_kernel_that_never_answers(tmp_path: Path) -> None:
     python = _fake_python(tmp_path, 'echo "waiting forever" >&2\nexec sleep 600')
     with (
-        kx.KernelExecutor(backend=LocalBackend(python=python), start_timeout=1) as ex,
+        # 3 s: time for the launcher and the shell to get to its echo on a loaded host.
+        kx.KernelExecutor(backend=LocalBackend(python=python), start_timeout=3) as ex,
         pytest.raises(kx.KernelStartError, match="did not become ready in time") as info,
     ):
         ex.run_code("1")

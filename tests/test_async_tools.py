@@ -7,12 +7,14 @@ import json
 import subprocess
 import sys
 import textwrap
+import time
 import warnings
 from pathlib import Path
 
 import pytest
 
 import kernelexec as kx
+from tests.support.deadlines import after_output
 
 
 async def fetch_twice(url: str, agent_state=None) -> dict:
@@ -106,14 +108,48 @@ def test_stored_async_tool_returns_its_awaited_value(executor: kx.KernelExecutor
     assert result.func_return == 42
 
 
-@pytest.mark.parametrize(("source", "name"), [(SLEEPER, "sleeper"), (SPINNER, "spinner")])
+LOUD_SLEEPER = '''
+async def sleeper(seconds: float) -> str:
+    """Say so, then sleep."""
+    import asyncio
+    import time
+    print("started", time.monotonic(), flush=True)
+    await asyncio.sleep(seconds)
+    return "woke"
+'''
+
+LOUD_SPINNER = '''
+async def spinner() -> int:
+    """Say so, then spin without awaiting."""
+    import time
+    print("started", time.monotonic(), flush=True)
+    while True:
+        time.sleep(0.01)
+'''
+
+
+@pytest.mark.parametrize(("source", "name"), [(LOUD_SLEEPER, "sleeper"), (LOUD_SPINNER, "spinner")])
 def test_timeout_interrupts_an_async_tool_and_keeps_state(source: str, name: str) -> None:
     tool = kx.Tool.from_source(source)
     args = {"seconds": 60} if name == "sleeper" else {}
     with kx.KernelExecutor() as ex:
-        ex.run_code("kept = 1", agent_id="a")
-        result = ex.call_tool(tool, args, agent_id="a", timeout=1)
-        assert result.error is not None and result.error.kind == "timeout"
+
+        def attempt(deadline: float) -> tuple[kx.ToolResult, float]:
+            # A served call announces no start: an interrupt sent before the kernel took it
+            # is lost, and the call ends stuck, on a fresh kernel. So the deadline must pass
+            # after the tool started (CLOCK_MONOTONIC is the machine's, the kernel's too).
+            ex.run_code("kept = 1", agent_id="a")
+            sent = time.monotonic()
+            result = ex.call_tool(tool, args, agent_id="a", timeout=deadline)
+            assert result.error is not None and result.error.kind == "timeout"
+            return result, sent + deadline
+
+        def in_time(tried: tuple[kx.ToolResult, float]) -> bool:
+            said, by = tried[0].stdout.split(), tried[1]
+            return len(said) == 2 and said[0] == "started" and float(said[1]) < by
+
+        (result, _), _ = after_output(attempt, in_time)
+        assert result.error is not None
         assert result.error.evalue.endswith("interrupted, kernel state kept")
         assert not result.kernel_restarted
         assert ex.run_code("kept", agent_id="a").result == "1"

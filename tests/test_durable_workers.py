@@ -199,13 +199,14 @@ def test_a_holder_busy_past_the_timeout_is_named_in_agent_busy_error(
         code="import time\nprint('running', flush=True)\ntime.sleep(600)",
     )
     assert holder.next() == {"stdout": "running\n"}  # its call runs now
-    with _ex(state, handoff_timeout=1) as ex:
+    # 5 s for the holder to answer "busy" on a loaded host (the refusal waits that long).
+    with _ex(state, handoff_timeout=5) as ex:
         with pytest.raises(kx.AgentBusyError) as caught:
             ex.session("a")
         assert isinstance(caught.value, kx.StateError)
         message = str(caught.value)
         assert f"process {holder.proc.pid} on host {socket.gethostname()!r}" in message
-        assert "handoff_timeout=1s: its session was running a call" in message
+        assert "handoff_timeout=5s: its session was running a call" in message
         assert ex.sessions == {}  # nothing was made
     holder.kill()
 
@@ -328,7 +329,9 @@ def test_a_session_whose_agent_moved_away_asks_for_it_back(
     tmp_path: Path, workers: list[Worker]
 ) -> None:
     state = tmp_path / "state"
-    with _ex(state, handoff_timeout=1) as ex:
+    # 5 s for the worker to checkpoint and let the agent go on a loaded host (the busy
+    # refusal below waits that long).
+    with _ex(state, handoff_timeout=5) as ex:
         mine = ex.session("a")
         mine.run_code("x = 1").raise_for_error()
         other = Worker(state)

@@ -226,13 +226,19 @@ def test_failing_setup_code_is_a_clear_error_on_the_next_call() -> None:
 
 
 @pytest.mark.parametrize(
-    ("setup", "what"),
-    [("import time; time.sleep(60)", "timed out"), ("import os; os._exit(3)", "killed its kernel")],
+    ("setup", "what", "timeout"),
+    [
+        ("import time; time.sleep(60)", "timed out", 2.0),
+        # Ends at once: a long deadline, which a loaded host cannot pass before it runs.
+        ("import os; os._exit(3)", "killed its kernel", 30.0),
+    ],
 )
-def test_setup_code_that_never_finishes_is_a_setup_code_error(setup: str, what: str) -> None:
+def test_setup_code_that_never_finishes_is_a_setup_code_error(
+    setup: str, what: str, timeout: float
+) -> None:
     with kx.KernelExecutor(isolation="none") as ex:
         s = ex.session("stuck-setup", setup_code=setup)
-        result = s.run_code("print('never')", timeout=2)
+        result = s.run_code("print('never')", timeout=timeout)
         assert result.error is not None and result.error.kind == "setup_failed"
         assert result.error.ename == "SetupCodeError"
         assert result.error.evalue == f"the session's setup_code {what}; the call did not run"

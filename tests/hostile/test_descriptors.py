@@ -72,7 +72,14 @@ async def main():
     ex = kx.AsyncKernelExecutor(max_kernels=8, start_timeout=5)
     await ex.start()
     first = await ex.session("first")
-    assert (await first.run_code("x = 1")).ok
+    for tries in range(1, 7):
+        # Unstarved, but on a loaded host: 5 s keeps the starved starts below short.
+        try:
+            assert (await first.run_code("x = 1")).ok
+            break
+        except kx.KernelStartError:
+            if tries == 6:
+                raise
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     open_now = len(os.listdir("/proc/self/fd"))
     resource.setrlimit(resource.RLIMIT_NOFILE, (open_now + int(sys.argv[1]), hard))
