@@ -89,6 +89,20 @@ async def test_an_interrupt_sent_as_soon_as_the_run_is_sent_stops_the_code(
     assert (await session.run_code("x")).result == "1"
 
 
+async def test_an_interrupt_while_the_sessions_kernel_starts_stops_the_code(
+    executor: kx.AsyncKernelExecutor,
+) -> None:
+    # The run waits for its kernel to start: there is no kernel to signal yet, and the
+    # interrupt was dropped (the code then ran to its deadline). The run now takes it along.
+    session = await executor.session("cold")
+    run = asyncio.ensure_future(session.run_code(SPIN, timeout=DEADLINE))
+    await asyncio.sleep(0)  # the run starts, and waits for its kernel
+    assert not session.has_kernel
+    await session.interrupt()
+    _interrupted(await run)
+    assert (await session.run_code("'kept'")).result == "'kept'"
+
+
 async def test_a_tool_call_interrupted_in_its_set_up_stops(
     executor: kx.AsyncKernelExecutor,
 ) -> None:

@@ -114,6 +114,8 @@ class RunPipeline:
         self._hosts = host_calls
         self.recording = recording
         self._current: RunOutcome | None = None  # the run in progress, for a cancellation
+        self._in_run = False  # a run is under way (its request may not be made yet)
+        self._interrupt_asked = False  # interrupt() came before the request was made
 
     # -- a run -------------------------------------------------------------------------------
 
@@ -191,6 +193,15 @@ class RunPipeline:
     ) -> Ran:
         """Run ``run`` on the lease's kernel: what it came to (its error, outputs, the kernel
         side's report, the number of the kernel that ran it)."""
+        self._in_run, self._interrupt_asked = True, False
+        try:
+            return await self._execute(run, timeout, callbacks, once)
+        finally:
+            self._in_run = self._interrupt_asked = False
+
+    async def _execute(
+        self, run: Subject, timeout: float, callbacks: Callbacks, once: OneCall | None
+    ) -> Ran:
         start = time.monotonic()
         lease = self._lease
         try:
@@ -220,6 +231,7 @@ class RunPipeline:
             # A backend that cannot tell (KernelConnection.ended): no sign of the request came
             # back before the death, the only hint that the kernel died first.
             lost = (lost or []) + await lease.replace()
+            self._interrupt_asked = out.interrupt_waits  # held for a request that never ran
             out, calls = await self._send(run, timeout, callbacks, once)
         generation = lease.generation
         failure, report, lost = await self._finish(
@@ -252,7 +264,10 @@ class RunPipeline:
         request = protocol.build_request(
             run, served=conn.serves_calls, configure=self._lease.take_settings()
         )
-        self._current = RunOutcome()
+        self._current = RunOutcome(
+            announces_start=request.announces_start, interrupt_asked=self._interrupt_asked
+        )
+        self._interrupt_asked = False
         host = None
         if self._hosts is not None:
             request, host = await self._hosts.start_run(
@@ -452,12 +467,18 @@ class RunPipeline:
             outputs = self._hosts.for_caller(outputs)
         return result.model_copy(update={**update, "outputs": outputs})
 
-    async def interrupt(self, conn: KernelConnection) -> None:
+    async def interrupt(self, conn: KernelConnection | None) -> None:
         """Interrupt the run in progress on ``conn`` (held until its code runs, see
         :meth:`RunOutcome.interrupt_now`), or whatever the kernel runs when none is; its host
-        calls are cancelled."""
+        calls are cancelled.
+
+        A run whose request is not made yet (its kernel still starting or being replaced,
+        ``conn`` then None) takes the interrupt along: a SIGINT sent now would
+        reach an idle kernel, or none, and the code would run to its deadline."""
         current = self._current
-        if current is None or current.interrupt_now():
+        if current is None and self._in_run:
+            self._interrupt_asked = True
+        elif conn is not None and (current is None or current.interrupt_now()):
             await conn.interrupt()
         if self._hosts is not None:
             self._hosts.interrupted()

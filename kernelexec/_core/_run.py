@@ -63,6 +63,7 @@ class RunOutcome:
     executing: bool = False  # the request's ``execute_input`` arrived: its code is running
     interrupt_waits: bool = False  # an interrupt is held until the code runs (see ``interrupt``)
     announces_start: bool = False  # the request publishes an ``execute_input`` (not silent)
+    interrupt_asked: bool = False  # interrupted before the request was sent: sent with it
     _read: tuple[dict[str, Any] | None, Reply] | None = field(default=None, repr=False)
 
     @property
@@ -135,6 +136,8 @@ async def run_request(
     content = request.content()
     msg_id = await conn.send("shell", request.msg_type, content, metadata=request.metadata)
     fence_id = await conn.send("shell", FENCE_REQUEST, {}) if fence else None
+    if out.interrupt_asked:
+        await _interrupt(conn, out)  # held until the code runs, where that can be told
     run = _Run(msg_id, request.reply_type, request.quiet, out, collector, fence_id, host=host)
     try:
         await _collect(conn, run, start + timeout, interrupt_grace, output_grace)

@@ -399,11 +399,12 @@ class AsyncSession:
                 await branches.restore(self, snap)
 
     async def interrupt(self) -> None:
-        """Interrupt whatever the kernel is running now (the running call gets the error)."""
+        """Interrupt whatever the kernel is running now (the running call gets the error).
+
+        A call still on its way to the kernel (waiting for it to start, or to be replaced) is
+        interrupted once its code runs; a call waiting for another to finish is not."""
         self._state.check()
-        conn = self._lease.connection
-        if conn is not None:
-            await self._runs.interrupt(conn)
+        await self._runs.interrupt(self._lease.connection)
 
     async def restart(self) -> None:
         """Replace the kernel with a fresh one now; all state is lost."""
