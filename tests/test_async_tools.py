@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 import kernelexec as kx
-from tests.support.deadlines import after_output
+from tests.support.deadlines import after_output, started_before
 
 
 async def fetch_twice(url: str, agent_state=None) -> dict:
@@ -144,11 +144,7 @@ def test_timeout_interrupts_an_async_tool_and_keeps_state(source: str, name: str
             assert result.error is not None and result.error.kind == "timeout"
             return result, sent + deadline
 
-        def in_time(tried: tuple[kx.ToolResult, float]) -> bool:
-            said, by = tried[0].stdout.split(), tried[1]
-            return len(said) == 2 and said[0] == "started" and float(said[1]) < by
-
-        (result, _), _ = after_output(attempt, in_time)
+        (result, _), _ = after_output(attempt, started_before("started"))
         assert result.error is not None
         assert result.error.evalue.endswith("interrupted, kernel state kept")
         assert not result.kernel_restarted

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import kernelexec as kx
 from tests.conftest import kernel_children, our_temp_dirs
-from tests.support.deadlines import after_output
+from tests.support.deadlines import after_output, started_before
 
 pytestmark = pytest.mark.usefixtures("executor")
 
@@ -96,11 +96,7 @@ def test_ignored_sigint_with_the_gil_held(executor: kx.KernelExecutor) -> None:
         assert result.error is not None and result.error.kind == "timeout"
         return result, sent + deadline
 
-    def in_time(tried: tuple[kx.Execution, float]) -> bool:
-        said, by = tried[0].stdout.split(), tried[1]
-        return len(said) == 2 and said[0] == "ignoring" and float(said[1]) < by
-
-    (result, _), _ = after_output(attempt, in_time)
+    (result, _), _ = after_output(attempt, started_before("ignoring"))
     assert result.error is not None
     assert "did not stop when interrupted" in result.error.evalue
     assert result.kernel_restarted and result.lost_variables == ["kept"]

@@ -9,11 +9,17 @@ deadline, until one passes after the output (which the test then checks as it wo
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TypeVar
+from typing import Protocol, TypeVar
 
 import pytest
 
 T = TypeVar("T")
+
+
+class _Printed(Protocol):
+    @property
+    def stdout(self) -> str: ...
+
 
 DEADLINES = (1.0, 5.0, 25.0)
 
@@ -33,3 +39,16 @@ def after_output(
         if saw_output(result):
             return result, deadline
     pytest.fail(f"the code printed nothing before any of the deadlines {deadlines} (s)")
+
+
+def started_before(word: str) -> Callable[[tuple[_Printed, float]], bool]:
+    """A ``saw_output`` for attempts that return their result and the ``time.monotonic()`` its
+    deadline passed at, whose code prints ``word`` and its own ``time.monotonic()`` as it
+    starts: whether the code started before its deadline (CLOCK_MONOTONIC is the machine's,
+    the kernel's too)."""
+
+    def in_time(tried: tuple[_Printed, float]) -> bool:
+        said, by = tried[0].stdout.split(), tried[1]
+        return len(said) == 2 and said[0] == word and float(said[1]) < by
+
+    return in_time
