@@ -112,6 +112,15 @@ def kernels_of(pid: int) -> set[int]:
     return found
 
 
+def descendants(pids: set[int]) -> set[int]:
+    """Pids of every process below ``pids`` now (a kernel being replaced may be gone)."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found |= {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    return found
+
+
 def _running(pid: int) -> bool:
     """Not a zombie, and not gone: a kernel being stopped exits, and is reaped, at any moment
     between the listing of its parent's children and this look at it."""
@@ -589,7 +598,7 @@ async def test_fork_snapshot_and_restore_tools(server_tmp: Path, tmp_path: Path)
         }
         kernels = kernels_of(pid)
         assert kernels
-        family = {p.pid for k in kernels for p in psutil.Process(k).children(recursive=True)}
+        family = descendants(kernels)
     assert not wait_exited({pid} | kernels | family), log.read_text()
 
 
@@ -760,5 +769,5 @@ async def test_variables_tool_changes_and_atomic_runs(server_tmp: Path, tmp_path
         assert all(isinstance(v["size_bytes"], int) for v in found)
         assert "rows: builtins.list = [1, 2]" in text_of(listed)
         kernels = kernels_of(pid)
-        family = {p.pid for k in kernels for p in psutil.Process(k).children(recursive=True)}
+        family = descendants(kernels)
     assert not wait_exited({pid} | kernels | family), log.read_text()

@@ -14,12 +14,23 @@ import kernelexec as kx
 from kernelexec.backends._forkservers import enabled
 
 
-def ps(pid: int, field: str = "args") -> str:
-    """What ``ps -o <field>`` shows for ``pid``."""
+def ps(pid: int, field: str = "args", *, gone_ok: bool = False) -> str:
+    """What ``ps -o <field>`` shows for ``pid`` ("" with ``gone_ok`` when it has exited)."""
     done = subprocess.run(
-        ["ps", "-ww", "-o", f"{field}=", "-p", str(pid)], capture_output=True, text=True, check=True
+        ["ps", "-ww", "-o", f"{field}=", "-p", str(pid)],
+        capture_output=True,
+        text=True,
+        check=not gone_ok,
     )
     return done.stdout.strip()
+
+
+def running(process: psutil.Process) -> bool:
+    """Not a zombie, and not gone since it was listed."""
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
 
 
 def kernel_pid(session: kx.Session) -> int:
@@ -40,7 +51,7 @@ def test_ps_names_every_process_kernelexec_starts(level: str) -> None:
         mine = {
             p.pid
             for p in psutil.Process().children(recursive=True)
-            if p.pid not in before and p.status() != psutil.STATUS_ZOMBIE
+            if p.pid not in before and running(p)
         }
         parent = psutil.Process(pid).parent()
         assert parent is not None
@@ -55,6 +66,7 @@ def test_ps_names_every_process_kernelexec_starts(level: str) -> None:
         else:
             assert parent.pid == os.getpid()
         # Every process below this one is one of kernelexec's, and none shows source code.
-        shown = {p: ps(p) for p in mine if psutil.pid_exists(p)}
+        shown = {p: text for p in mine if (text := ps(p, gone_ok=True))}
+        assert {pid, odd_pid} <= shown.keys(), shown
         assert all(text.startswith("kernelexec ") for text in shown.values()), shown
         assert not [t for t in shown.values() if "import" in t or "\n" in t], shown

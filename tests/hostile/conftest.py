@@ -46,7 +46,14 @@ def gone(pids: list[int], timeout: float = 10.0) -> list[int]:
         except psutil.NoSuchProcess:
             continue
     _, alive = psutil.wait_procs(procs, timeout=timeout)
-    return [p.pid for p in alive if p.status() != psutil.STATUS_ZOMBIE]
+    return [p.pid for p in alive if _running(p)]
+
+
+def _running(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:  # it ended after the wait
+        return False
 
 
 @pytest.fixture
