@@ -477,9 +477,13 @@ class RunPipeline:
         reach an idle kernel, or none, and the code would run to its deadline."""
         current = self._current
         if current is None and self._in_run:
+            log.debug("agent %r: interrupt taken along by the run on its way", self._agent_id)
             self._interrupt_asked = True
         elif conn is not None and (current is None or current.interrupt_now()):
+            log.debug("agent %r: interrupt sent", self._agent_id)
             await conn.interrupt()
+        else:
+            log.debug("agent %r: interrupt held until the run's code starts", self._agent_id)
         if self._hosts is not None:
             self._hosts.interrupted()
 

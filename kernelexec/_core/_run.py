@@ -22,6 +22,7 @@ caller's output hook that raises ends the run the same way (``CallbackFailed``).
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -36,6 +37,8 @@ from kernelexec._protocol._host import (
     read_reply,
 )
 from kernelexec.backends._base import KernelConnection, KernelDied, KernelMessage
+
+log = logging.getLogger("kernelexec.kernel")
 
 
 class HostCallHandler(Protocol):
@@ -236,6 +239,7 @@ async def _held_interrupt(conn: KernelConnection, out: RunOutcome) -> None:
     if out.interrupt_waits and (out.executing or out.reply is not None):
         out.interrupt_waits = False
         if out.executing and out.reply is None:
+            log.debug("a held interrupt sent: the run's code starts")
             await conn.interrupt()
 
 

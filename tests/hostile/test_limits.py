@@ -4,6 +4,9 @@ session works on the next call."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import glob
+import logging
 from collections.abc import Iterator
 
 import pytest
@@ -123,7 +126,10 @@ def test_open_files_capped(executor: kx.KernelExecutor) -> None:
 
 @needs_cgroup("cpus")
 @pytest.mark.anyio
-async def test_cpu_spin_beside_a_session_that_stays_responsive() -> None:
+async def test_cpu_spin_beside_a_session_that_stays_responsive(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG, "kernelexec.kernel")
     async with kx.AsyncKernelExecutor(limits=kx.Limits(cpus=0.5)) as ex:
         spinner, other = await ex.session("spin"), await ex.session("other")
         await asyncio.gather(spinner.run_code("x = 1"), other.run_code("y = 1"))
@@ -133,9 +139,37 @@ async def test_cpu_spin_beside_a_session_that_stays_responsive() -> None:
             assert (await other.run_code(f"y + {i}")).result == str(1 + i)
         assert not spin.done()
         await spinner.interrupt()
+        # Seen lost twice in double runs (issue 42), cause not found: what the kernel's threads do
+        # with SIGINT then is kept for the failure's message (the deadline stops the spin).
+        done, _ = await asyncio.wait({spin}, timeout=25)
+        seen = "" if done else _signal_state(spinner)
         result = await spin
-        assert result.error is not None and result.error.ename == "KeyboardInterrupt"
+        assert result.error is not None and result.error.ename == "KeyboardInterrupt", (
+            f"{result.error}\n{seen}\n{caplog.text}"
+        )
         assert (await spinner.run_code("x")).result == "1"  # interrupted, state kept
+
+
+def _signal_state(session: kx.AsyncSession) -> str:
+    """The host's view of the run, and the signal masks of each thread of the session's kernel
+    (from ``/proc``)."""
+    conn = session._lease.connection
+    pid = conn.kernel_pid() if conn is not None else None
+    run = session._runs._current
+    lines = [
+        f"kernel pid {pid}; the run: "
+        + (
+            "none"
+            if run is None
+            else f"started={run.started} executing={run.executing} held={run.interrupt_waits}"
+        )
+    ]
+    for status in sorted(glob.glob(f"/proc/{pid}/task/*/status")):
+        with contextlib.suppress(OSError), open(status) as fh:
+            fields = dict(line.split(":", 1) for line in fh if ":" in line)
+            shown = ("Name", "State", "SigPnd", "ShdPnd", "SigBlk", "SigIgn", "SigCgt")
+            lines.append(" ".join(f"{k}={fields[k].strip()}" for k in shown if k in fields))
+    return "\n".join(lines)
 
 
 @needs_bwrap
