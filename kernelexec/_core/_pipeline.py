@@ -473,8 +473,9 @@ class RunPipeline:
         calls are cancelled.
 
         A run whose request is not made yet (its kernel still starting or being replaced,
-        ``conn`` then None) takes the interrupt along: a SIGINT sent now would
-        reach an idle kernel, or none, and the code would run to its deadline."""
+        ``conn`` then None) takes the interrupt along: a SIGINT sent now would reach an idle
+        kernel, or none, and the code would run to its deadline. ``setup_code`` still to run
+        takes it first (the call then does not run)."""
         current = self._current
         if current is None and self._in_run:
             log.debug("agent %r: interrupt taken along by the run on its way", self._agent_id)
