@@ -103,6 +103,20 @@ async def test_an_interrupt_while_the_sessions_kernel_starts_stops_the_code(
     assert (await session.run_code("'kept'")).result == "'kept'"
 
 
+async def test_an_interrupt_before_setup_code_stops_the_setup_and_the_call_does_not_run(
+    executor: kx.AsyncKernelExecutor,
+) -> None:
+    session = await executor.session("cold-setup", setup_code=SPIN)
+    run = asyncio.ensure_future(session.run_code("ran = True", timeout=DEADLINE))
+    await asyncio.sleep(0)  # the run starts, and waits for its kernel
+    assert not session.has_kernel
+    await session.interrupt()
+    result = await run
+    assert result.error is not None, result
+    assert (result.error.kind, result.error.ename) == ("setup_failed", "KeyboardInterrupt")
+    assert "setup_code raised KeyboardInterrupt" in result.error.evalue
+
+
 async def test_a_tool_call_interrupted_in_its_set_up_stops(
     executor: kx.AsyncKernelExecutor,
 ) -> None:
