@@ -42,7 +42,7 @@ from mcp.shared._httpx_utils import create_mcp_http_client
 from mcp.shared.exceptions import MCPError
 
 from kernelexec._cli._main import main
-from tests.support.procs import children, of_kind
+from tests.support.procs import children, descendants, of_kind, running
 
 pytestmark = pytest.mark.anyio
 
@@ -105,29 +105,11 @@ def kernels_of(pid: int) -> set[int]:
             forked = psutil.Process(server).children()
         except psutil.NoSuchProcess:
             continue
-        found |= {k.pid for k in forked if _running(k.pid)}
+        found |= {k.pid for k in forked if running(k.pid)}
     for child in of_kind(pid, "launcher") | of_kind(pid, "kernel"):
-        if _running(child):
+        if running(child):
             found.add(child)
     return found
-
-
-def descendants(pids: set[int]) -> set[int]:
-    """Pids of every process below ``pids`` now (a kernel being replaced may be gone)."""
-    found = set()
-    for pid in pids:
-        with contextlib.suppress(psutil.NoSuchProcess):
-            found |= {p.pid for p in psutil.Process(pid).children(recursive=True)}
-    return found
-
-
-def _running(pid: int) -> bool:
-    """Not a zombie, and not gone: a kernel being stopped exits, and is reaped, at any moment
-    between the listing of its parent's children and this look at it."""
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def wait_exited(pids: set[int], timeout: float = 15.0) -> set[int]:

@@ -12,6 +12,7 @@ import pytest
 
 import kernelexec as kx
 from kernelexec.backends._forkservers import enabled
+from tests.support.procs import running
 
 
 def ps(pid: int, field: str = "args", *, gone_ok: bool = False) -> str:
@@ -23,14 +24,6 @@ def ps(pid: int, field: str = "args", *, gone_ok: bool = False) -> str:
         check=not gone_ok,
     )
     return done.stdout.strip()
-
-
-def running(process: psutil.Process) -> bool:
-    """Not a zombie, and not gone since it was listed."""
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def kernel_pid(session: kx.Session) -> int:

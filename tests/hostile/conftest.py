@@ -16,6 +16,7 @@ import psutil
 import pytest
 
 from kernelexec._sandbox import _cgroups, _users
+from tests.support.procs import running
 
 HAVE_BWRAP = shutil.which("bwrap") is not None
 needs_bwrap = pytest.mark.skipif(
@@ -46,14 +47,7 @@ def gone(pids: list[int], timeout: float = 10.0) -> list[int]:
         except psutil.NoSuchProcess:
             continue
     _, alive = psutil.wait_procs(procs, timeout=timeout)
-    return [p.pid for p in alive if _running(p)]
-
-
-def _running(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:  # it ended after the wait
-        return False
+    return [p.pid for p in alive if running(p)]
 
 
 @pytest.fixture

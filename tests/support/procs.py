@@ -1,11 +1,13 @@
-"""Processes the tests look for (through psutil): children of a process whose command line has
-a marker, and every process whose command line mentions a path; a signal that reaches a
-process through a thread other than its main one."""
+"""Processes the tests look for (through psutil): whether one still runs, its descendants,
+children of a process whose command line has a marker, and every process whose command line
+mentions a path; a signal that reaches a process through a thread other than its main one."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
+from collections.abc import Iterable
 
 import psutil
 
@@ -13,6 +15,25 @@ import psutil
 def _cmdline(proc: psutil.Process) -> bytes:
     """The command line as ``/proc/<pid>/cmdline`` has it: arguments each ended by a NUL."""
     return b"".join(arg.encode() + b"\0" for arg in proc.cmdline())
+
+
+def running(process: psutil.Process | int) -> bool:
+    """Not a zombie, and not gone: a process may end, and be reaped, at any moment between a
+    listing that found it and this look at it."""
+    try:
+        proc = process if isinstance(process, psutil.Process) else psutil.Process(process)
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def descendants(pids: Iterable[int]) -> set[int]:
+    """Pids of every process below ``pids`` now (one of ``pids`` may be gone)."""
+    found = set()
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found |= {p.pid for p in psutil.Process(pid).children(recursive=True)}
+    return found
 
 
 def children(ppid: int, *markers: bytes) -> set[int]:
