@@ -23,7 +23,10 @@ import psutil
 
 from kernelexec import _trees
 
-PREFIXES = ("kx-", "kernelexec-")
+ASIDE_PREFIX = ".kx-in-"
+"""A directory's contents moved aside while it becomes a tmpfs (``_sandbox._disk.cap``): it
+keeps the directory's ``.owner``, so a host killed in between leaves it to the sweep too."""
+PREFIXES = ("kx-", "kernelexec-", ASIDE_PREFIX)
 KERNEL_UID_BASE = 2_000_000_000
 """Kernels that run as users of their own (a root host) get uids from here up; their
 directories are swept like the host's own."""

@@ -321,6 +321,7 @@ def test_stale_dirs_of_dead_owners_are_swept(tmp_path: Path) -> None:
     dead.wait()
     cases = {
         "kx-dead": f"{dead.pid} 1\n",  # owner gone
+        ".kx-in-dead": f"{dead.pid} 1\n",  # a capped directory's contents, its host killed
         "kernelexec-reused": f"{os.getpid()} 999999999\n",  # pid alive, but another process
         "kx-alive": f"{os.getpid()} {_start_time(os.getpid())}\n",
         "kx-unowned": None,  # not made by this version: left alone
@@ -343,7 +344,7 @@ def test_stale_dirs_of_dead_owners_are_swept(tmp_path: Path) -> None:
     else:
         (tmp_path / "kx-planted" / OWNER_FILE).chmod(0o000)  # one it cannot read
     removed = sweep_stale(str(tmp_path))
-    assert sorted(Path(p).name for p in removed) == ["kernelexec-reused", "kx-dead"]
+    assert sorted(Path(p).name for p in removed) == [".kx-in-dead", "kernelexec-reused", "kx-dead"]
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         "dead-owner",
         "kx-alive",

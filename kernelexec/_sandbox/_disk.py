@@ -40,7 +40,13 @@ from functools import lru_cache
 from kernelexec import _proctitle, _trees, _workdirs
 from kernelexec._exceptions import TreeLimitError
 from kernelexec._sandbox import _nshelper
-from kernelexec._tempdirs import detach, mount_points, process_alive, process_start_time
+from kernelexec._tempdirs import (
+    ASIDE_PREFIX,
+    detach,
+    mount_points,
+    process_alive,
+    process_start_time,
+)
 
 log = logging.getLogger("kernelexec")
 
@@ -114,7 +120,7 @@ def cap(path: str, size_mb: int, uid: int) -> None:
     held = os.listdir(path)
     aside = ""
     if held:
-        aside = tempfile.mkdtemp(prefix=".kx-in-", dir=os.path.dirname(path))
+        aside = tempfile.mkdtemp(prefix=ASIDE_PREFIX, dir=os.path.dirname(path))
         os.rmdir(aside)
         os.rename(path, aside)
         os.mkdir(path, 0o700)
