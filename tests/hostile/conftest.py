@@ -50,6 +50,13 @@ def gone(pids: list[int], timeout: float = 10.0) -> list[int]:
     return [p.pid for p in alive if running(p)]
 
 
+def host_groups(pid: int) -> list[str]:
+    """The cgroups that host process ``pid`` made (its kernels' and its memory budget's)."""
+    sup = _cgroups.support()
+    bases = [h.base for h in sup.v1.values()] + ([sup.v2.base] if sup.v2 else [])
+    return [str(p) for base in bases for p in base.glob(f"kx-{pid}-*")]
+
+
 @pytest.fixture
 def reachable_host(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """A host laid out like a server, not this CI machine: an interpreter every user can run

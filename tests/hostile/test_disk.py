@@ -23,7 +23,7 @@ import pytest
 
 import kernelexec as kx
 from kernelexec import _trees
-from kernelexec._sandbox import _disk, _uids
+from kernelexec._sandbox import _cgroups, _disk, _uids
 from kernelexec._tempdirs import (
     make_owned_dir,
     owner_of,
@@ -31,7 +31,7 @@ from kernelexec._tempdirs import (
     remove_tree,
     sweep_stale,
 )
-from tests.hostile.conftest import needs_bwrap, needs_root
+from tests.hostile.conftest import host_groups, needs_bwrap, needs_root
 
 pytestmark = [
     needs_root,
@@ -231,9 +231,12 @@ def test_a_killed_hosts_capped_directory_is_copied_back_and_unmounted(tmp_path: 
     _disk.sweep()  # (another test process's executor may have swept it already)
     assert not [p for p, src in _disk.mounts().items() if src.startswith(f"kx-work:{host.pid}:")]
     assert Path(where, "result.txt").read_text() == "made before the host died"
-    sweep_stale(tmp)  # what the next executor does: the killed host's own directories go
+    # What the next executor does: the killed host's own directories and cgroups go.
+    sweep_stale(tmp)
     assert os.listdir(tmp) == []
     os.rmdir(tmp)
+    _cgroups.sweep_stale()
+    assert host_groups(host.pid) == []
 
 
 def test_a_uid_sweep_leaves_a_capped_directory_whole_for_its_copy_back(

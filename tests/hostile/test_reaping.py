@@ -21,7 +21,7 @@ import pytest
 import kernelexec as kx
 from kernelexec._sandbox import _cgroups
 from kernelexec._tempdirs import sweep_stale
-from tests.hostile.conftest import gone, needs_bwrap
+from tests.hostile.conftest import gone, host_groups, needs_bwrap
 
 SPAWN = (
     "import os, subprocess, time\n"
@@ -140,7 +140,7 @@ def _kill_the_host_and_check(proc: subprocess.Popen[str], mark: str, tmp: str) -
     launchers = [c.pid for c in children if c.pid not in helpers]
     daemons = _shown(mark)
     assert len(launchers) == 1 and len(daemons) == 1, (launchers, daemons)
-    groups = _host_groups(proc.pid)
+    groups = host_groups(proc.pid)
     assert groups or _cgroups.support().kill is None
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
@@ -150,14 +150,7 @@ def _kill_the_host_and_check(proc: subprocess.Popen[str], mark: str, tmp: str) -
     assert len(removed) == 2  # its working directory and the kernel's directory
     # Any kernelexec process's first kernel sweeps them (another test's may come first).
     _cgroups.sweep_stale()
-    assert _host_groups(proc.pid) == []
-
-
-def _host_groups(pid: int) -> list[str]:
-    """The kernel cgroups of host process ``pid``."""
-    sup = _cgroups.support()
-    bases = [h.base for h in sup.v1.values()] + ([sup.v2.base] if sup.v2 else [])
-    return [str(p) for base in bases for p in base.glob(f"kx-{pid}-*")]
+    assert host_groups(proc.pid) == []
 
 
 def _go_on(pid: int) -> Callable[[str], None]:
