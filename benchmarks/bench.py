@@ -309,7 +309,7 @@ async def gateway_session() -> AsyncIterator[kx.AsyncSession | None]:
     from kernelexec.backends import GatewayBackend
     from tests.support.gateway import Gateway
 
-    with Gateway(transport="tcp") as gw:
+    with Gateway() as gw:
         async with kx.AsyncKernelExecutor(backend=GatewayBackend(gw.url, token=gw.token)) as ex:
             yield await ex.session("gateway")
 

@@ -127,7 +127,7 @@ def main() -> None:
         s = ex.session("bench")
         rows += measure(s, "local", Path(str(s.workdir)))
     with (
-        Gateway(transport="tcp") as gw,
+        Gateway() as gw,
         kx.KernelExecutor(
             backend=GatewayBackend(gw.url, token=gw.token), max_result_chars=64_000_000
         ) as ex,

@@ -64,7 +64,7 @@ def main() -> None:
         "--out", type=Path, default=REPO / "benchmarks/results/gateway_quickack.json"
     )
     ns = parser.parse_args()
-    with Gateway(transport="tcp") as gw:
+    with Gateway() as gw:
         samples = asyncio.run(measure(gw, ns.rounds, ns.calls))
     rows = {
         name: {

@@ -87,10 +87,6 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
     }
     short = Path(tempfile.mkdtemp(prefix="kxb-", dir="/tmp"))
     dirs["TMPDIR"] = short / "tmp"  # the debugger's sandbox kernels put their sockets here
-    # The notebook's kernel talks to the server over ipc sockets in its runtime directory (a
-    # short path: a socket's is at most 107 bytes), not TCP ports another process may take
-    # first (tests/support/gateway.py: the handshake then waits 60 s, the test 60 s at most).
-    dirs["JUPYTER_RUNTIME_DIR"] = short / "runtime"
     for d in dirs.values():
         d.mkdir()
     # No "get notified about Jupyter news?" toast over the page.
@@ -119,7 +115,6 @@ def lab(tmp_path: Path) -> Iterator[Lab]:
             "--LabApp.extension_manager=readonly",
             "--LabApp.expose_app_in_browser=True",
             "--ServerApp.terminals_enabled=False",
-            "--KernelManager.transport=ipc",
         ],
         env=env,
         stdout=subprocess.DEVNULL,

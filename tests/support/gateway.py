@@ -4,11 +4,6 @@ The gateway runs from the test venv (``jupyter-kernel-gateway`` is in the dev ex
 random port, a random token, ``port_retries=0`` (it never moves to another port silently), in its
 own process group, and with a private ``JUPYTER_PATH`` whose ``python3`` kernelspec starts
 ipykernel with the same flags and lean launcher as the local backend, so the two compare fairly.
-Its kernels talk to it over ZMQ ``ipc`` sockets in its private runtime directory, as the local
-backend's do: with TCP each kernel port is picked by binding port 0 and closing it, and under two
-suites at once another process sometimes took one before the kernel bound it. The kernel then
-exited, Jupyter restarted it on new ports, and the websocket's handshake waited out its
-``kernel_info_timeout`` (60 s) on the old ones: a first start past the executor's 30 s.
 """
 
 from __future__ import annotations
@@ -29,7 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 from kernelexec.backends._local_process import KERNEL_FLAGS as _KERNEL_FLAGS
 from kernelexec.backends._local_process import LEAN_LAUNCHER as _LEAN_LAUNCHER
@@ -51,8 +46,6 @@ class Gateway:
         rate_limit: ``iopub_data_rate_limit`` in bytes/s (0: off, as recommended).
         env_whitelist: Variables a client may pass to kernels (``KG_ENV_WHITELIST``).
         max_kernels: The gateway's kernel limit (None: unlimited).
-        transport: How its kernels talk to it: ``"ipc"`` (tests, see above) or ``"tcp"`` (as
-            a gateway is deployed: the benchmarks).
     """
 
     def __init__(
@@ -61,7 +54,6 @@ class Gateway:
         rate_limit: int = 0,
         env_whitelist: tuple[str, ...] = (),
         max_kernels: int | None = None,
-        transport: Literal["ipc", "tcp"] = "ipc",
     ) -> None:
         self.root = Path(tempfile.mkdtemp(prefix="kxgw-"))
         self.work = self.root / "work"
@@ -71,7 +63,6 @@ class Gateway:
         self.rate_limit = rate_limit
         self.env_whitelist = env_whitelist
         self.max_kernels = max_kernels
-        self.transport = transport
         self.proc: subprocess.Popen[bytes] | None = None
         spec_dir = self.root / "share" / "jupyter" / "kernels" / "python3"
         spec_dir.mkdir(parents=True)
@@ -108,7 +99,6 @@ class Gateway:
             "--KernelGatewayApp.ip=127.0.0.1",
             f"--KernelGatewayApp.port={self.port}",
             "--KernelGatewayApp.port_retries=0",
-            f"--KernelManager.transport={self.transport}",
             f"--KernelGatewayApp.auth_token={self.token}",
             "--JupyterWebsocketPersonality.list_kernels=True",
             f"--ZMQChannelsWebsocketConnection.iopub_data_rate_limit={self.rate_limit}",
