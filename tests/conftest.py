@@ -7,7 +7,7 @@ import select
 import shutil
 import signal
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 
 import psutil
@@ -15,6 +15,7 @@ import pytest
 
 import kernelexec as kx
 from tests.support import procs
+from tests.support.gateway import Gateway
 from tests.support.skips import Guard
 
 _TEMP_ROOT: str | None = None
@@ -47,6 +48,20 @@ def pytest_collectreport(report: pytest.CollectReport) -> None:
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _SKIPS.note(report)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failing test's report ends with the logs of the gateways running then: a gateway's
+    log goes with its directory when its fixture ends, and a start that failed under load
+    said only that it took too long."""
+    report = yield
+    if report.failed:
+        for gw in sorted(Gateway.running, key=lambda g: g.port):
+            report.sections.append((f"gateway {gw.url}: the end of its log", gw.log[-4000:]))
+    return report
 
 
 @pytest.hookimpl(trylast=True)

@@ -49,8 +49,7 @@ def no_gateway_leaks(request: pytest.FixtureRequest) -> Iterator[None]:
 REPLACING = 120.0
 """``start_timeout`` for the tests that have a kernel replaced: a replacement on the gateway pays
 for the old kernel's DELETE (up to about 5 s of Jupyter's shutdown wait) and a cold start in one
-budget, and a port taken from under the fresh kernel stalls the gateway's handshake for its
-``kernel_info_timeout`` (60 s) while Jupyter restarts it on new ports."""
+budget, on a machine running two suites."""
 
 
 def backend(gw: Gateway, **options: object) -> GatewayBackend:

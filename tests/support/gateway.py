@@ -24,7 +24,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from kernelexec.backends._local_process import KERNEL_FLAGS as _KERNEL_FLAGS
 from kernelexec.backends._local_process import LEAN_LAUNCHER as _LEAN_LAUNCHER
@@ -47,6 +47,10 @@ class Gateway:
         env_whitelist: Variables a client may pass to kernels (``KG_ENV_WHITELIST``).
         max_kernels: The gateway's kernel limit (None: unlimited).
     """
+
+    running: ClassVar[set[Gateway]] = set()
+    """This process's gateways, from their start to their close: a failing test's report ends
+    with their logs (``tests/conftest.py``), which go with their directories."""
 
     def __init__(
         self,
@@ -187,6 +191,7 @@ class Gateway:
             proc.wait(timeout=15)
 
     def close(self) -> None:
+        Gateway.running.discard(self)
         self.stop()
         shutil.rmtree(self.root, ignore_errors=True)
 
@@ -195,6 +200,7 @@ class Gateway:
             for _ in range(3):
                 try:
                     self.start()
+                    Gateway.running.add(self)
                     return self
                 except PortTaken:
                     self.stop()
